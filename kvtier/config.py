@@ -1,0 +1,58 @@
+"""Engine configuration: frozen dataclasses, one per concern, composed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.sched.scheduler import SchedulerConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to serve and how."""
+
+    model: str
+    """Path to a Hugging Face model directory (config.json + *.safetensors)."""
+    dtype: str = "auto"
+    """'auto' (the checkpoint's), 'float32', 'bfloat16' or 'float16'."""
+    device: str | None = None
+    """torch device; default: cuda if available, else cpu."""
+    seed: int = 0
+    """Seed for requests that do not set their own."""
+    max_model_len: int | None = None
+    """Longest prompt + output; default: the model's max_position_embeddings."""
+    tokenizer: str | None = None
+    """Tokenizer directory; default: the model directory."""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The device KV pool and its prefix cache."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_device_blocks: int | None = None
+    """Blocks in the device pool (or give kv_cache_bytes)."""
+    kv_cache_bytes: int | None = None
+    """Bytes of the device pool (or give num_device_blocks)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV of equal prefixes across requests."""
+    eviction_policy: str = "lru"
+    """'lru' or 'lfu'."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_device_blocks is not None and self.kv_cache_bytes is not None:
+            raise ValueError("give num_device_blocks or kv_cache_bytes, not both")
+        if self.num_device_blocks is not None and self.num_device_blocks < 1:
+            raise ValueError("num_device_blocks must be >= 1")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError("kv_cache_bytes must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

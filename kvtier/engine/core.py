@@ -1,0 +1,336 @@
+"""EngineCore: the step loop.
+
+    out     = scheduler.schedule()              # who computes how many tokens, block copies
+    logits  = runner.execute(out)               # copies, one forward pass, logits of sampled rows
+    samples = sample(logits, rows)              # one token per sampled sequence (n per new group)
+    done    = scheduler.update_from_output(...) # advance, cache full blocks, stop checks, free
+    return    outputs of the requests that moved
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from kvtier.config import EngineConfig
+from kvtier.kvcache.keys import root_key
+from kvtier.kvcache.manager import KVCacheManager
+from kvtier.model.sampler import Sample, SampleRow, sample
+from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.output import SchedulerOutput
+from kvtier.sched.request import Request, RequestStatus
+from kvtier.sched.scheduler import Scheduler
+
+
+@dataclass
+class StepStats:
+    """Where step time goes (seconds, summed over steps)."""
+
+    num_steps: int = 0
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    sample_s: float = 0.0
+    update_s: float = 0.0
+    num_batched_tokens: int = 0
+
+    @property
+    def total_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.sample_s + self.update_s
+
+    @property
+    def bookkeeping_fraction(self) -> float:
+        """Scheduler + cache bookkeeping as a fraction of step time."""
+        return (self.schedule_s + self.update_s) / self.total_s if self.total_s else 0.0
+
+
+@dataclass
+class _Group:
+    """One user request: n samples sharing a prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    seqs: list[Request] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    cum_logprobs: list[float] = field(default_factory=list)
+    finish: list[str | None] = field(default_factory=list)
+    stop_reasons: list[int | str | None] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finish) == self.params.n and all(f is not None for f in self.finish)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
+        from kvtier.model.runner import ModelRunner
+
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.runner = runner or ModelRunner(
+            mc.model, dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
+            num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed)
+        self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
+                                 cc.eviction_policy)
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.tokenizer = tokenizer
+        arch = self.runner.arch
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
+                                 arch.max_position_embeddings)
+        eos = set(arch.eos_token_ids)
+        if tokenizer is not None:
+            eos.update(tokenizer.eos_token_ids)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.vocab_size = arch.vocab_size
+        self._groups: dict[str, _Group] = {}
+        self._seq_group: dict[str, _Group] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
+        self._ids = itertools.count()
+        self.step_stats = StepStats()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    priority: int = 0, prompt: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self._check_prompt(prompt_token_ids)
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            max_out = self.max_model_len - len(ids)
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens; use max_tokens <= {max_out}")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = _Group(request_id, prompt, ids, params, arrival)
+        req = self._new_seq(group, 0, ids, cache_salt, priority, arrival)
+        self.scheduler.add_request(req)
+        self._groups[request_id] = group
+        return request_id
+
+    def _check_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
+        try:
+            ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise ValueError("prompt_token_ids must be a list of integers") from None
+        if not ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
+                             f"{self.max_model_len} tokens (prompt plus at least one output token)")
+        return ids
+
+    def _new_seq(self, group: _Group, index: int, tokens: list[int], cache_salt: str | None,
+                 priority: int, arrival: float, parent_id: str | None = None) -> Request:
+        sp = group.params.child(index) if group.params.n > 1 else group.params
+        req_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
+        req = Request(req_id=req_id, prompt_token_ids=group.prompt_token_ids, sampling=sp,
+                      root_key=root_key(self.runner.fingerprint, cache_salt),
+                      eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+                      priority=priority, arrival_time=arrival, cache_salt=cache_salt,
+                      parent_id=parent_id, sample_index=index, all_token_ids=list(tokens))
+        if sp.seed is not None:
+            self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
+        group.seqs.append(req)
+        group.texts.append("")
+        group.logprobs.append([])
+        group.cum_logprobs.append(0.0)
+        group.finish.append(None)
+        group.stop_reasons.append(None)
+        self._seq_group[req_id] = group
+        return req
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for i, req in enumerate(group.seqs):
+            if self.scheduler.abort_request(req.req_id) is not None or group.finish[i] is None:
+                group.finish[i] = group.finish[i] or "abort"
+        return self._finish_group(group)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._groups)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        st = self.step_stats
+        t0 = time.perf_counter()
+        out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if out.is_empty:
+            self.kv.end_step()
+            st.schedule_s += t1 - t0
+            return []
+        logits = self.runner.execute(out)
+        t2 = time.perf_counter()
+        rows, forks = self._sample_rows(out)
+        samples = sample(logits, rows) if rows else []
+        t3 = time.perf_counter()
+        sampled = {key: s.token_id for key, s in zip(self._row_keys, samples)}
+        finished = self.scheduler.update_from_output(out, sampled)
+        moved = self._process(out, samples, forks, finished)
+        t4 = time.perf_counter()
+        st.num_steps += 1
+        st.schedule_s += t1 - t0
+        st.execute_s += t2 - t1
+        st.sample_s += t3 - t2
+        st.update_s += t4 - t3
+        st.num_batched_tokens += out.num_batched_tokens
+        return moved
+
+    def _sample_rows(self, out: SchedulerOutput) -> tuple[list[SampleRow], dict[str, list[int]]]:
+        """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row."""
+        rows: list[SampleRow] = []
+        self._row_keys: list[str] = []
+        forks: dict[str, list[int]] = {}
+        r = 0
+        for seq in out.seqs:
+            if not seq.sample:
+                continue
+            req = self.scheduler.requests[seq.req_id]
+            rows.append(SampleRow(r, req.sampling, self._generators.get(req.req_id, self._default_gen)))
+            self._row_keys.append(req.req_id)
+            group = self._seq_group[req.req_id]
+            if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids \
+                    and len(group.seqs) == 1:
+                forks[req.req_id] = []
+                for i in range(1, group.params.n):
+                    sp = group.params.child(i)
+                    gen = (torch.Generator(device="cpu").manual_seed(sp.seed)
+                           if sp.seed is not None else self._default_gen)
+                    forks[req.req_id].append(len(rows))
+                    rows.append(SampleRow(r, sp, gen))
+                    self._row_keys.append(f"{req.req_id}#fork{i}")
+            r += 1
+        return rows, forks
+
+    def _process(self, out: SchedulerOutput, samples: list[Sample], forks: dict[str, list[int]],
+                 finished: list[Request]) -> list[RequestOutput]:
+        moved: dict[str, _Group] = {}
+        by_key = dict(zip(self._row_keys, samples))
+        for req_id in out.preempted_req_ids:
+            group = self._seq_group.get(req_id)
+            if group is not None:
+                group.num_preemptions += 1
+        for seq in out.seqs:
+            if not seq.sample or seq.req_id not in by_key:
+                continue
+            group = self._seq_group[seq.req_id]
+            req = next(r for r in group.seqs if r.req_id == seq.req_id)
+            self._record(group, req, by_key[seq.req_id])
+            moved[group.request_id] = group
+            if seq.req_id in forks:
+                self._fork_children(group, req, [samples[i] for i in forks[seq.req_id]])
+        for req in finished:
+            group = self._seq_group[req.req_id]
+            i = req.sample_index
+            if group.finish[i] is None:
+                group.finish[i] = req.status.value
+                group.stop_reasons[i] = req.stop_reason
+            moved[group.request_id] = group
+        outputs = []
+        for group in moved.values():
+            outputs.append(self._finish_group(group) if group.finished else self._output(group))
+        return outputs
+
+    def _fork_children(self, group: _Group, parent: Request, first: list[Sample]) -> None:
+        for i, s in enumerate(first, start=1):
+            child = self._new_seq(group, i, list(parent.prompt_token_ids), parent.cache_salt,
+                                  parent.priority, group.arrival_time, parent_id=parent.req_id)
+            child.first_token_time = parent.first_token_time
+            child.append_output(s.token_id)
+            self.scheduler.add_forked(child, parent)
+            self._record(group, child, s)
+            status = child.check_stop()
+            if status is not None:
+                self.scheduler.finish_request(child.req_id, status)
+                group.finish[i] = status.value
+                group.stop_reasons[i] = child.stop_reason
+
+    def _record(self, group: _Group, req: Request, s: Sample) -> None:
+        i = req.sample_index
+        if s.logprob is not None:
+            group.logprobs[i].append(s.top_logprobs or {})
+            group.cum_logprobs[i] += s.logprob
+        sp = req.sampling
+        if sp.stop and self.tokenizer is not None and group.finish[i] is None:
+            text = self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
+            cut = _find_stop(text, sp.stop, tail=len(text) - len(group.texts[i]) + max(map(len, sp.stop)))
+            group.texts[i] = text
+            if cut is not None:
+                pos, stop = cut
+                group.texts[i] = text[:pos + len(stop)] if sp.include_stop_str_in_output else text[:pos]
+                group.finish[i] = "stop"
+                group.stop_reasons[i] = stop
+                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+
+    # ------------------------------------------------------------------ outputs
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for i, req in enumerate(group.seqs):
+            text = group.texts[i]
+            if self.tokenizer is not None and not group.params.stop:
+                text = self.tokenizer.decode(req.output_token_ids, req.sampling.skip_special_tokens)
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=group.finish[i],
+                stop_reason=group.stop_reasons[i],
+                logprobs=group.logprobs[i] if group.params.logprobs is not None else None,
+                cumulative_logprob=group.cum_logprobs[i] if group.params.logprobs is not None else None))
+        head = group.seqs[0]
+        cached = head.num_cached_tokens or 0
+        metrics = RequestMetrics(group.arrival_time, head.first_scheduled_time, head.first_token_time,
+                                 max((r.finished_time or 0.0) for r in group.seqs) if group.finished else None)
+        return RequestOutput(
+            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+            outputs=outs, finished=group.finished, metrics=metrics, num_cached_tokens=cached,
+            cached_tokens_by_tier={"device": cached}, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
+            num_preemptions=group.num_preemptions)
+
+    def _finish_group(self, group: _Group) -> RequestOutput:
+        out = self._output(group)
+        self._groups.pop(group.request_id, None)
+        for req in group.seqs:
+            self._seq_group.pop(req.req_id, None)
+            self._generators.pop(req.req_id, None)
+        return out
+
+    # ------------------------------------------------------------------ checks
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = {r.req_id for g in self._groups.values() for r in g.seqs if not r.status.finished}
+        assert live == set(self.scheduler.requests), "engine and scheduler disagree on live requests"
+
+
+def _find_stop(text: str, stops: list[str], tail: int) -> tuple[int, str] | None:
+    """Earliest stop string in the last `tail` characters of text."""
+    start = max(0, len(text) - tail)
+    best: tuple[int, str] | None = None
+    for s in stops:
+        pos = text.find(s, start)
+        if pos >= 0 and (best is None or pos < best[0]):
+            best = (pos, s)
+    return best

@@ -1,0 +1,159 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence, Union
+
+from kvtier.config import CacheConfig, EngineConfig, ModelConfig
+from kvtier.engine.core import EngineCore
+from kvtier.outputs import RequestOutput
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.scheduler import SchedulerConfig
+
+PromptType = Union[str, list[int], dict[str, Any]]
+
+
+class LLM:
+    """An engine over one Hugging Face checkpoint directory.
+
+    Exactly one of `num_device_blocks` / `kv_cache_bytes` sizes the device KV pool (neither:
+    a default share of memory). `seed` seeds requests that do not carry their own.
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", block_size: int = 16,
+                 num_device_blocks: int | None = None, kv_cache_bytes: int | None = None,
+                 enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, seed: int = 0, device: str | None = None,
+                 max_model_len: int | None = None, tokenizer: str | None = None,
+                 scheduling_policy: str = "fcfs", eviction_policy: str = "lru",
+                 enable_chunked_prefill: bool = True, skip_tokenizer_init: bool = False) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
+                              max_model_len=max_model_len, tokenizer=tokenizer),
+            cache=CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
+                              kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
+                              eviction_policy=eviction_policy),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      policy=scheduling_policy,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+        )
+        tok = None
+        if not skip_tokenizer_init:
+            tok_dir = Path(tokenizer or model)
+            if (tok_dir / "tokenizer.json").is_file():
+                from kvtier.model.tokenizer import Tokenizer
+                tok = Tokenizer(tok_dir)
+        self.engine = EngineCore(config, tokenizer=tok)
+        self.tokenizer = tok
+        self.config = config
+
+    @property
+    def num_device_blocks(self) -> int:
+        return self.engine.kv.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.kv.block_size
+
+    def check_integrity(self) -> None:
+        self.engine.check_integrity()
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None, priority: Sequence[int] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with `prompt` or
+        `prompt_token_ids` (and optionally its own `cache_salt`).
+        """
+        items = _as_list(prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(items), "sampling_params")
+        prios = list(priority) if priority is not None else [0] * len(items)
+        if len(prios) != len(items):
+            raise ValueError(f"got {len(prios)} priorities for {len(items)} prompts")
+        prepared = [self._prepare(p, cache_salt) for p in items]  # validate all before adding any
+        ids: list[str] = []
+        try:
+            for (text, token_ids, salt), sp, prio in zip(prepared, params, prios):
+                ids.append(self.engine.add_request(token_ids, sp, cache_salt=salt, priority=prio,
+                                                   prompt=text))
+        except Exception:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, cache_salt: str | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this model directory has no tokenizer.json")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
+                             "(or a list of such conversations)")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt,
+                                                                  **(chat_template_kwargs or {}))}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+
+    def _prepare(self, p: PromptType, default_salt: str | None) -> tuple[str | None, list[int], str | None]:
+        salt = default_salt
+        text: str | None = None
+        if isinstance(p, dict):
+            salt = p.get("cache_salt", default_salt)
+            if "prompt_token_ids" in p:
+                token_ids = p["prompt_token_ids"]
+            elif "prompt" in p:
+                text = p["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(p, str):
+            text = p
+        else:
+            token_ids = p
+        if text is not None:
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids instead")
+            token_ids = self.tokenizer.encode(text)
+        if not isinstance(token_ids, (list, tuple)) or not all(isinstance(t, int) for t in token_ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, list(token_ids), salt
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        want = set(ids)
+        done: dict[str, RequestOutput] = {}
+        engine = self.engine
+        while len(done) < len(want):
+            for out in engine.step():
+                if out.finished and out.request_id in want:
+                    done[out.request_id] = out
+            if not engine.has_unfinished and len(done) < len(want):
+                raise RuntimeError("engine stopped with requests unfinished")
+        return [done[i] for i in ids]
+
+
+def _as_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            return []
+        if all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+    raise ValueError("prompts must be a string, a list of token ids, a dict, or a list of those")
+
+
+def _broadcast(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"got {len(value)} {name} for {n} prompts")
+        return list(value)
+    return [value] * n

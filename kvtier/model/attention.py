@@ -1,0 +1,294 @@
+"""Paged attention: per-step metadata and the attention backend interface.
+
+KV pool layout (owned by the runner, one allocation for all layers)::
+
+    kv_pool   [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]   (2 = K, V)
+    kv_cache  = kv_pool[layer]  ->  [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+A token at position p of a sequence with block table bt lives at
+slot = bt[p // block_size] * block_size + p % block_size of the flattened
+[num_blocks * block_size] axis. Backends receive one layer's `kv_cache` view.
+
+The pool is zero-initialised: padded gathers read unused slots, and masked scores only give
+zero weight if the values they multiply are finite.
+
+Within one step, the flattened tokens of all sequences are split into
+  - "prefill" sequences (more than one query token): attended one at a time with SDPA;
+    from position 0 directly over the new k/v (is_causal), otherwise over the gathered
+    blocks with a causal mask shifted by start_pos;
+  - "decode" sequences (exactly one query token): batched into one padded gather and one
+    SDPA call with a length mask.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.sched.output import ScheduledSeq
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    """One sequence with more than one query token in this step."""
+
+    token_start: int
+    """Row of its first query token in the flattened batch."""
+    token_end: int
+    start_pos: int
+    seq_len: int
+    """Context length after this step (start_pos + query tokens)."""
+    block_ids: torch.Tensor | None
+    """[ceil(seq_len / block_size)] long; None when start_pos == 0 (attend over the new k/v)."""
+    mask: torch.Tensor | None
+    """[G * num_query_tokens, seq_len] bool, True = visible, for G query heads folded per KV head;
+    None when start_pos == 0 (SDPA's is_causal does it)."""
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """All sequences with exactly one query token in this step."""
+
+    token_idx: torch.Tensor
+    """[B] long: their rows in the flattened batch."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] long, padded with block 0 (masked out)."""
+    mask: torch.Tensor
+    """[B, 1, 1, max_blocks * block_size] bool: key j visible iff j < seq_len."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step, shared by every layer."""
+
+    num_tokens: int
+    block_size: int
+    slot_mapping: torch.Tensor
+    """[T] long: where each new token's K/V is written."""
+    query_start_loc: list[int]
+    """[num_seqs + 1]: sequence i owns rows query_start_loc[i]:query_start_loc[i+1]."""
+    seq_lens: list[int]
+    """[num_seqs]: context length after this step."""
+    block_tables: list[list[int]]
+    """[num_seqs] the scheduler's block tables (not copied)."""
+    prefills: list[PrefillSeq]
+    decode: DecodeBatch | None
+
+
+class AttentionBackend(ABC):
+    """Where attention kernels plug in. One instance per model, shared by all layers.
+
+    Contract: `build_metadata` runs once per step before the forward pass; per layer, `write_kv`
+    stores the new tokens' K/V through `meta.slot_mapping`, then `forward` attends each query token
+    over its sequence's cached prefix plus the new tokens (causal), and may read the new k/v
+    directly instead of the cache where that is cheaper.
+    """
+
+    @abstractmethod
+    def build_metadata(
+        self, seqs: Sequence[ScheduledSeq], block_size: int, device: torch.device
+    ) -> AttentionMetadata: ...
+
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v: [T, num_kv_heads, head_dim]; kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (already in kv_cache).
+        Returns [T, num_heads * head_dim]."""
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Plain PyTorch paged attention over `F.scaled_dot_product_attention`; runs on any device.
+
+    GQA without repeating KV where a mask is needed anyway: the G = num_heads / num_kv_heads query
+    heads that share a KV head are folded into the query-length axis,
+        q [n, Hq, D] -> [Hkv, G * n, D]   (row g * n + i = query token i of head kv * G + g)
+    so SDPA sees as many heads as K/V have. Only the mask-free causal prefill repeats KV, since
+    folding would cost it the is_causal fast path.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.num_queries_per_kv = num_heads // num_kv_heads
+
+    # -- metadata ---------------------------------------------------------------------------
+
+    def build_metadata(
+        self, seqs: Sequence[ScheduledSeq], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_tables: list[list[int]] = []
+        prefill_args: list[tuple[int, int, int, int, list[int]]] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        row = 0
+        for seq in seqs:
+            num_new = len(seq.token_ids)
+            start = seq.start_pos
+            end = start + num_new
+            table = seq.block_ids
+            if num_new == 0:
+                raise ValueError(f"request {seq.req_id}: scheduled with no tokens")
+            if len(table) * block_size < end:
+                raise ValueError(
+                    f"request {seq.req_id}: block table of {len(table)} blocks cannot hold {end} tokens "
+                    f"(block_size {block_size})"
+                )
+            if num_new == 1:
+                slots.append(table[start // block_size] * block_size + start % block_size)
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                _extend_slots(slots, table, start, end, block_size)
+                prefill_args.append((row, row + num_new, start, end, table))
+            row += num_new
+            query_start_loc.append(row)
+            seq_lens.append(end)
+            block_tables.append(table)
+
+        prefills = [self._prefill_seq(*args, block_size, device) for args in prefill_args]
+        decode = self._decode_batch(decode_rows, decode_tables, decode_lens, block_size, device)
+        return AttentionMetadata(
+            num_tokens=row,
+            block_size=block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            prefills=prefills,
+            decode=decode,
+        )
+
+    def _prefill_seq(
+        self, token_start: int, token_end: int, start: int, end: int, table: list[int], block_size: int, device: torch.device
+    ) -> PrefillSeq:
+        if start == 0:
+            return PrefillSeq(token_start, token_end, start, end, None, None)
+        num_blocks = -(-end // block_size)
+        block_ids = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+        # query i sits at position start + i and sees keys 0 .. start + i
+        query_pos = torch.arange(start, end, device=device)
+        mask = torch.arange(end, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
+        mask = mask.repeat(self.num_queries_per_kv, 1)  # [G * n, seq_len], row g * n + i
+        return PrefillSeq(token_start, token_end, start, end, block_ids, mask)
+
+    def _decode_batch(
+        self, rows: list[int], tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
+    ) -> DecodeBatch | None:
+        if not rows:
+            return None
+        max_blocks = -(-max(lens) // block_size)
+        padded = [_pad(t, max_blocks) for t in tables]
+        lens_t = torch.tensor(lens, dtype=torch.long, device=device)
+        mask = torch.arange(max_blocks * block_size, device=device)[None, :] < lens_t[:, None]
+        return DecodeBatch(
+            token_idx=torch.tensor(rows, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            mask=mask[:, None, None, :],
+        )
+
+    # -- per layer --------------------------------------------------------------------------
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        num_slots = kv_cache.shape[1] * kv_cache.shape[2]
+        # [2, num_blocks, block_size, Hkv, D] -> [2, num_slots, Hkv, D]
+        flat = kv_cache.view(2, num_slots, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k)
+        flat[1].index_copy_(0, meta.slot_mapping, v)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        hidden = self.num_heads * self.head_dim
+        if meta.decode is None and len(meta.prefills) == 1:  # the common single-prefill step
+            return self._prefill(q, k, v, kv_cache, meta.prefills[0], meta.block_size)
+        out = q.new_empty(num_tokens, hidden)  # [T, Hq * D]
+        for p in meta.prefills:
+            out[p.token_start : p.token_end] = self._prefill(q, k, v, kv_cache, p, meta.block_size)
+        if meta.decode is not None:
+            out.index_copy_(0, meta.decode.token_idx, self._decode(q, kv_cache, meta.decode, meta.block_size))
+        return out
+
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        p: PrefillSeq,
+        block_size: int,
+    ) -> torch.Tensor:
+        num_new = p.token_end - p.token_start
+        q = q[p.token_start : p.token_end]  # [n, Hq, D]
+        if p.mask is None:
+            # the whole context is new: attend over the new k/v, KV heads repeated for SDPA
+            k = k[p.token_start : p.token_end].transpose(0, 1).repeat_interleave(self.num_queries_per_kv, 0)
+            v = v[p.token_start : p.token_end].transpose(0, 1).repeat_interleave(self.num_queries_per_kv, 0)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], is_causal=True)
+            return out[0].transpose(0, 1).reshape(num_new, -1)  # [1, Hq, n, D] -> [n, Hq * D]
+        # gather the blocks: [2, nb, bs, Hkv, D] -> [2, Hkv, seq_len, D]
+        kv = kv_cache.index_select(1, p.block_ids)
+        kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, : p.seq_len].transpose(1, 2)
+        q_folded = self._fold(q)  # [Hkv, G * n, D]
+        out = F.scaled_dot_product_attention(q_folded[None], kv[0][None], kv[1][None], attn_mask=p.mask)
+        return self._unfold(out[0], num_new)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch, block_size: int) -> torch.Tensor:
+        batch, max_blocks = d.block_tables.shape
+        q = q.index_select(0, d.token_idx)  # [B, Hq, D]
+        q = q.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)  # [B, Hkv, G, D]
+        kv = kv_cache.index_select(1, d.block_tables.view(-1))  # [2, B * max_blocks, bs, Hkv, D]
+        kv = kv.view(2, batch, max_blocks * block_size, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=d.mask)  # [B, Hkv, G, D]
+        return out.reshape(batch, -1)
+
+    def _fold(self, q: torch.Tensor) -> torch.Tensor:
+        """[n, Hq, D] -> [Hkv, G * n, D], row g * n + i = token i of query head kv * G + g."""
+        n = q.shape[0]
+        q = q.view(n, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
+        return q.permute(1, 2, 0, 3).reshape(self.num_kv_heads, self.num_queries_per_kv * n, self.head_dim)
+
+    def _unfold(self, out: torch.Tensor, n: int) -> torch.Tensor:
+        """[Hkv, G * n, D] -> [n, Hq * D]."""
+        out = out.view(self.num_kv_heads, self.num_queries_per_kv, n, self.head_dim)
+        return out.permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the slots of positions start .. end-1, one `range` per block (no per-token loop)."""
+    for block_idx in range(start // block_size, (end - 1) // block_size + 1):
+        block_start = block_idx * block_size
+        base = table[block_idx] * block_size - block_start
+        slots.extend(range(base + max(start, block_start), base + min(end, block_start + block_size)))
+
+
+def _pad(table: list[int], length: int) -> list[int]:
+    """Cut or pad (with block 0, masked out) a block table to `length` entries."""
+    if len(table) >= length:
+        return table[:length]
+    return table + [0] * (length - len(table))

@@ -1,0 +1,150 @@
+"""Tokenizer and chat template from a model directory (tokenizer.json + tokenizer_config.json).
+
+Uses the `tokenizers` library for encoding and a sandboxed jinja2 environment for the chat
+template, configured like transformers renders it, so no transformers import is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _token_str(value: Any) -> str | None:
+    if isinstance(value, dict):  # AddedToken serialisation
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        from tokenizers import Tokenizer as _HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"no tokenizer.json in {model_dir}; pass token ids instead of text, or add the "
+                "model's fast tokenizer file (tokenizer.json)")
+        self._tok = _HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self.config = cfg
+        self.bos_token = _token_str(cfg.get("bos_token"))
+        self.eos_token = _token_str(cfg.get("eos_token"))
+        template = cfg.get("chat_template")
+        jinja_file = model_dir / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self._compiled = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        if eos_id is not None:
+            self.eos_token_ids = (eos_id,)
+        self.all_special_ids = {
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        }
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs: Any) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template (tokenizer_config.json has no "
+                                 "'chat_template'); use generate() with a plain prompt")
+        validate_messages(messages)
+        if self._compiled is None:
+            self._compiled = _jinja_env().from_string(self.chat_template)
+        return self._compiled.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def validate_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise TokenizerError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise TokenizerError(f"message {i} must be a dict with a 'role' and a 'content'")
+        if not isinstance(m["role"], str):
+            raise TokenizerError(f"message {i}: role must be a string")
+
+
+def _jinja_env():
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_byte_tokenizer(out_dir: str | Path) -> int:
+    """Write a byte-level tokenizer (256 byte tokens + <s>, </s>, <pad>, role markers) with a
+    chat template into out_dir; returns its vocabulary size. Needs only `tokenizers`."""
+    from tokenizers import Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok.add_special_tokens(specials)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", bos)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "chat_template": BYTE_CHAT_TEMPLATE, "model_max_length": 8192,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }, indent=2))
+    return tok.get_vocab_size(with_added_tokens=True)

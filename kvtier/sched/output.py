@@ -1,0 +1,62 @@
+"""The contract between the scheduler and the model runner.
+
+One `SchedulerOutput` per engine step is the only thing the runner reads. It names, for every
+scheduled sequence, the tokens to compute this step and where their KV goes::
+
+    request tokens:  |<-------- start_pos -------->|<--- token_ids --->|
+                     [ KV already in the pool      ][ computed now      ]
+    block_ids:       [ b0 ][ b1 ][ b2 ] ...  covers start_pos + len(token_ids) tokens
+
+`block_copies` are token-granular prefix reuse: copy the first `num_tokens` slots of `src` into
+`dst` (every layer, K and V) before the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step."""
+
+    req_id: str
+    token_ids: list[int]
+    """Tokens whose KV is computed (and written) this step."""
+    start_pos: int
+    """Position of token_ids[0]; equals the tokens already in the pool for this sequence."""
+    block_ids: list[int]
+    """The sequence's block table; covers at least start_pos + len(token_ids) tokens."""
+    sample: bool
+    """True when the last of token_ids needs logits (prompt done, or decoding)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def seq_len(self) -> int:
+        """Context length after this step."""
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class BlockCopy:
+    src_block: int
+    dst_block: int
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.block_copies

@@ -1,0 +1,157 @@
+"""The offline API's behaviour beyond greedy parity: text in/out, chat, stop conditions,
+logprobs, sampling knobs, and clear errors that lose nothing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvtier import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(byte_model_dir):
+    return LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4)
+
+
+def clean(llm: LLM) -> None:
+    llm.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_pool_reported(llm):
+    assert llm.num_device_blocks == 96 and llm.block_size == 4
+
+
+def test_text_prompt_roundtrip(llm):
+    out = llm.generate("hello there", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert out.prompt == "hello there"
+    assert out.prompt_token_ids == llm.tokenizer.encode("hello there")
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    assert out.outputs[0].finish_reason == "length"
+    assert out.metrics.ttft_s is not None and out.metrics.ttft_s > 0
+    assert out.metrics.e2e_s >= out.metrics.ttft_s
+    clean(llm)
+
+
+def test_prompt_forms_agree(llm):
+    sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    ids = llm.tokenizer.encode("same prompt")
+    a, b, c = llm.generate(["same prompt", ids, {"prompt_token_ids": ids}], sp)
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+    clean(llm)
+
+
+def test_chat_applies_template(llm):
+    msgs = [{"role": "user", "content": "hi"}]
+    out = llm.chat(msgs, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("<|user|>hi</s><|assistant|>", add_special_tokens=False)
+    outs = llm.chat([msgs, msgs + [{"role": "assistant", "content": "yo"}]],
+                    SamplingParams(max_tokens=2, temperature=0))
+    assert len(outs) == 2
+    clean(llm)
+
+
+def test_stop_strings_cut_the_text(llm):
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    full = llm.generate("abc", sp)[0].outputs[0]
+    # pick a stop string from the middle of the greedy text
+    text = full.text
+    assert len(text) > 6
+    stop = text[3:5]
+    out = llm.generate("abc", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.find(stop)]
+    assert len(out.token_ids) < len(full.token_ids)
+    incl = llm.generate("abc", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
+                                             include_stop_str_in_output=True))[0].outputs[0]
+    assert incl.text == text[:text.find(stop) + len(stop)]
+    clean(llm)
+
+
+def test_stop_token_ids_and_eos(llm):
+    sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    toks = llm.generate("xyz", sp)[0].outputs[0].token_ids
+    out = llm.generate("xyz", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[toks[4]]))[0].outputs[0]
+    assert out.token_ids == toks[:toks.index(toks[4]) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == toks[4]
+    clean(llm)
+
+
+def test_logprobs(llm):
+    out = llm.generate("q", SamplingParams(max_tokens=4, temperature=0, logprobs=3, ignore_eos=True))[0].outputs[0]
+    assert len(out.logprobs) == 4
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and len(lp) >= 3
+        assert lp[tok] == max(lp.values())  # greedy picks the top token
+        assert all(v <= 0 for v in lp.values())
+    assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
+                        rel_tol=1e-5)
+
+
+def test_sampling_knobs_are_respected(llm):
+    # top_k=1 is greedy whatever the temperature
+    greedy = llm.generate("k", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    topk1 = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.5, top_k=1, seed=3,
+                                             ignore_eos=True))[0].outputs[0].token_ids
+    assert topk1 == greedy
+    tiny_p = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3,
+                                              ignore_eos=True))[0].outputs[0].token_ids
+    assert tiny_p == greedy
+    minp = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=3,
+                                            ignore_eos=True))[0].outputs[0].token_ids
+    assert minp == greedy
+    a = llm.generate("k", SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True))[0]
+    b = llm.generate("k", SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True))[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    clean(llm)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(n=0), "n must be"),
+    (dict(logprobs=99), "logprobs"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_input_is_rejected_and_nothing_is_lost(llm):
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], sp)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([[1, 2, 10**6]], sp)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * 300], sp)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=100))
+    # a batch with one bad prompt adds none of them
+    with pytest.raises(ValueError):
+        llm.generate(["fine", [1, 2, -5]], sp)
+    assert not llm.engine.has_unfinished
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([], sp)
+    clean(llm)
+    assert llm.generate("still works", sp)[0].outputs[0].finish_reason in ("length", "stop")
+    clean(llm)
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    rid = eng.add_request(llm.tokenizer.encode("abort me please"), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.step()
+    out = eng.abort_request(rid)
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    clean(llm)
+
+
+def test_errors_for_missing_model(tmp_path):
+    from kvtier.model.hf_config import ModelLoadError
+    with pytest.raises(ModelLoadError):
+        LLM(str(tmp_path / "nope"))
