@@ -194,7 +194,9 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ cache / fork / free
     def cache_blocks(self, req_id: str, tokens: Sequence[int], num_computed_tokens: int) -> None:
-        """Register the request's blocks that became full and computed."""
+        """Register the request's blocks that became full and computed. A block whose key is
+        already cached (another request computed the same block) stays uncached; if that other
+        copy is evicted later, the next call registers this request's copy instead."""
         if not self.enable_prefix_caching:
             return
         state = self._reqs[req_id]

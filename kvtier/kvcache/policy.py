@@ -8,10 +8,10 @@ block is left unreachable). Contract:
 - `pop_victim(is_leaf)`: remove and return the preferred key for which `is_leaf(key)` is true,
   or None if none qualifies. Skipped keys stay in the policy.
 
-Both built-in policies are O(1) amortised per operation in the common case: a parent block is
-always used at least as recently and at least as often as its children (every hit on a child
-also hits the parent, and a request frees its blocks last-first), so the first candidate is
-nearly always a leaf already.
+Both built-in policies are O(1) amortised per operation: a block enters the policy only once its
+whole cached subtree is in it (the index pins the rest), and every hit on a child also hits its
+parent, so a parent is always after its children in LRU order and has at least their hits in
+LFU order: the first candidate is a leaf unless hits are recorded outside that pattern.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ larger GEMM is faster than three small ones, most of all for decode-sized T.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +35,47 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that can swap its weight for a oneDNN-packed copy (`pack`).
+
+    On CPU in bfloat16, a pre-packed weight skips the weight reorder F.linear pays on every call:
+    up to 2x faster per GEMM at decode-sized batches (a 16-sequence decode step of the reference
+    model: 1.3x), prefill unchanged, same bits out.
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def pack(self, *, keep_weight: bool) -> None:
+        """Pack the weight for oneDNN; drop the dense copy unless `keep_weight` (a tied weight)."""
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
+        if not keep_weight:
+            self.weight = None
+
+
+_PACK_BATCH_HINT = 16  # oneDNN picks the packed format for this many rows; any row count works
+
+
+def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `Linear.pack` works here: CPU, bfloat16, and a oneDNN that packs bf16 on this CPU."""
+    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16_packing_works()
+
+
+@functools.cache
+def _onednn_bf16_packing_works() -> bool:
+    try:  # internal ops (used by torch.compile's CPU backend); probe instead of trusting versions
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), _PACK_BATCH_HINT)
+        x = torch.ones(2, 8, dtype=torch.bfloat16)
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):
+        return False
+    return bool((out == 8).all())
 
 
 class RotaryEmbedding:
@@ -89,8 +131,8 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         qkv_out = (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, bias=arch.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(arch.num_heads * arch.head_dim, arch.hidden_size, bias=arch.o_bias, dtype=dtype)
         # Qwen3: q_norm rows for the Hq query heads, then k_norm rows for the Hkv key heads, so one
         # norm call covers q and k.  [Hq + Hkv, D]
         self.qk_norm = (
@@ -125,8 +167,8 @@ class MLP(nn.Module):
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias, dtype=dtype)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias, dtype=dtype)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
@@ -142,7 +184,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(arch, dtype)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -171,7 +218,7 @@ class DecoderLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(arch, backend, dtype) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
         self.rope = RotaryEmbedding(arch, device)
         self.requires_grad_(False)
@@ -180,6 +227,12 @@ class DecoderLM(nn.Module):
         """Share lm_head with embed_tokens (call again after anything that re-creates parameters)."""
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def pack_linears(self) -> None:
+        """Pack every projection (see `Linear.pack`); check `can_pack_linears` first."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(keep_weight=module is self.lm_head and self.tie_word_embeddings)
 
     def forward(
         self,

@@ -103,7 +103,9 @@ def load_model(
                 if dest is None:
                     continue  # e.g. rotary_emb.inv_freq of old checkpoints
                 tensor = reader.get_tensor(name)
-                expected = dest.shape[-tensor.dim():] if name.endswith(("q_norm.weight", "k_norm.weight")) else dest.shape
+                # q/k norm weights [D] are broadcast into their rows of qk_norm [Hq + Hkv, D]
+                is_head_norm = name.endswith(("q_norm.weight", "k_norm.weight"))
+                expected = dest.shape[-tensor.dim() :] if is_head_norm else dest.shape
                 if tuple(tensor.shape) != tuple(expected):
                     raise ModelLoadError(
                         f"{str(model_dir)!r}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "

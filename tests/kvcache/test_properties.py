@@ -204,6 +204,13 @@ TestPoolIndex.settings = SETTINGS
 Slot = tuple[bytes, tuple[int, ...]]
 
 
+def common(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def kv(root: bytes, tokens: list[int], pos: int) -> Slot:
     """What the KV of `tokens[pos]` depends on: the model/salt and every token up to it."""
     return root, tuple(tokens[:pos + 1])
@@ -273,6 +280,12 @@ class ManagerMachine(RuleBasedStateMachine):
             node = m.index.get(m.pool.blocks[b].key)
             assert node.tokens == tuple(tokens[j * bs:(j + 1) * bs])
             assert self.shadow[b] == [kv(root, tokens, j * bs + s) for s in range(bs)]
+        # Longest partial: no cached child of the last matched block shares more tokens.
+        start = len(match.block_ids) * bs
+        parent = keys[len(match.block_ids) - 1] if match.block_ids else root
+        rest = tokens[start:min(len(tokens) - 1, start + bs)]
+        best = max((common(n.tokens, rest) for n in m.index.nodes() if n.parent == parent and n.tokens), default=0)
+        assert match.partial_tokens == best
         if match.partial_src is not None:
             start, src = len(match.block_ids) * bs, match.partial_src
             assert 0 < match.partial_tokens < bs

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvtier.model import attention
+from kvtier.model.llama import can_pack_linears
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
@@ -56,8 +58,13 @@ def test_full_prefill_matches_transformers(family, tiny_model_dirs, reference_mo
     torch.testing.assert_close(logits[0], hf_logits(reference_model, model_dir, ids)[-1], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("fold_max_tokens", [attention.FOLD_MAX_QUERY_TOKENS, 2], ids=["folded", "repeated"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chunked_prefill_over_shuffled_blocks_matches_transformers(family, tiny_model_dirs, reference_model):
+def test_chunked_prefill_over_shuffled_blocks_matches_transformers(
+    family, fold_max_tokens, tiny_model_dirs, reference_model, monkeypatch
+):
+    """Chunks continue from cached blocks; "repeated" forces the long-chunk attention path."""
+    monkeypatch.setattr(attention, "FOLD_MAX_QUERY_TOKENS", fold_max_tokens)
     model_dir = tiny_model_dirs[family]
     ids = prompt(2, 30)
     ref = hf_logits(reference_model, model_dir, ids)
@@ -121,7 +128,7 @@ def test_block_copy_of_partial_block_continues_like_transformers(family, tiny_mo
     a_table = [5, 17, 3, 40]
     runner.execute(step(ScheduledSeq("a", a_ids, 0, a_table, sample=True)))
     b_table = [5, 17, 29, 11]
-    runner.kv_pool[:, :, 29].fill_(3.0)  # stale data that the copy must overwrite (slots 0..1)
+    runner.kv_pool[:, :, :, 29].fill_(3.0)  # stale data that the copy must overwrite (slots 0..1)
     logits = runner.execute(step(
         ScheduledSeq("b", b_ids[10:], 10, b_table, sample=True),
         copies=[BlockCopy(src_block=3, dst_block=29, num_tokens=2)],
@@ -139,7 +146,7 @@ def test_blocks_restored_into_other_ids_give_bit_identical_logits(tiny_llama_dir
     hit = make_runner(tiny_llama_dir)
     hit.execute(step(ScheduledSeq("a", ids[:16], 0, [0, 1, 2, 3], sample=False)))
     saved = hit.read_blocks([0, 1, 2, 3])
-    assert saved.shape == (4, 2, 2, BLOCK_SIZE, 2, 16)  # [blocks, layers, K/V, slots, kv heads, head_dim]
+    assert saved.shape == (4, 2, 2, 2, BLOCK_SIZE, 16)  # [blocks, layers, K/V, kv heads, slots, head_dim]
 
     restored = make_runner(tiny_llama_dir)
     restored.write_blocks([9, 30, 4, 12], saved)
@@ -153,7 +160,7 @@ def test_no_sampled_seq_returns_empty_logits(tiny_llama_dir):
     logits = runner.execute(step(ScheduledSeq("a", prompt(6, 5), 0, [0, 1], sample=False)))
     assert logits.shape == (0, runner.arch.vocab_size)
     assert runner.execute(SchedulerOutput(block_copies=[BlockCopy(0, 2, 3)])).shape == (0, runner.arch.vocab_size)
-    torch.testing.assert_close(runner.kv_pool[:, :, 2, :3], runner.kv_pool[:, :, 0, :3], atol=0, rtol=0)
+    assert torch.equal(runner.kv_pool[:, :, :, 2, :3], runner.kv_pool[:, :, :, 0, :3])
 
 
 def test_block_table_too_short_is_rejected(tiny_llama_dir):
@@ -175,3 +182,18 @@ def test_bfloat16_prefill_and_decode_stay_close_to_float32(family, tiny_model_di
                         (second[0], hf_logits(reference_model, model_dir, ids + [3])[-1])):
         assert torch.isfinite(logits).all()
         assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
+
+
+def test_packed_projection_weights_give_identical_bf16_logits(tiny_model_dirs):
+    model_dir = tiny_model_dirs["qwen2"]  # has q/k/v biases
+    if not can_pack_linears(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN weight packing is not available in this torch build")
+    packed = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8)
+    plain = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8,
+                        pack_weights=False)
+    assert packed.model.layers[0].self_attn.qkv_proj.packed_weight is not None
+    assert plain.model.layers[0].self_attn.qkv_proj.packed_weight is None
+    ids = prompt(9, 13)
+    for runner_step in (step(ScheduledSeq("a", ids, 0, [0, 1, 2, 3], sample=True)),
+                        step(ScheduledSeq("a", [5], 13, [0, 1, 2, 3], sample=True))):
+        assert torch.equal(packed.execute(runner_step), plain.execute(runner_step))

@@ -64,7 +64,9 @@ def test_legacy_rope_keys_parse_like_transformers_5_rope_parameters():
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
     legacy = ArchConfig.from_dict(_llama_config(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **scaling}))
-    legacy_type_key = ArchConfig.from_dict(_llama_config(rope_theta=5e5, rope_scaling={"type": "llama3", **scaling}))
+    legacy_type_key = ArchConfig.from_dict(
+        _llama_config(rope_theta=5e5, rope_scaling={"type": "llama3", **scaling})
+    )
     v5 = ArchConfig.from_dict(_llama_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **scaling}))
     assert legacy == legacy_type_key == v5
     assert v5.rope_theta == 5e5 and v5.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)

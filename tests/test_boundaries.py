@@ -1,0 +1,71 @@
+"""Layer boundaries: the bookkeeping layers import no torch, FastAPI or Prometheus client.
+
+The simulator and the property tests drive kvcache/, sched/ and cost/ with no model, so importing
+them must not pull in heavy or server-side packages (ARCHITECTURE.md, "Boundaries")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ["kvtier.kvcache", "kvtier.sched", "kvtier.cost"]
+FORBIDDEN = ["torch", "fastapi", "prometheus_client"]
+
+# Imports every module of each package that exists, one at a time, and records which forbidden
+# top-level packages appeared in sys.modules after each import. With "stub", the top-level
+# `kvtier` package is replaced by an empty one, so that only the layers' own imports count.
+_PROBE = """
+import importlib, importlib.util, json, pkgutil, sys, types
+packages, forbidden, stub = json.loads(sys.argv[1]), set(json.loads(sys.argv[2])), sys.argv[3] == "stub"
+
+def loaded():
+    return {name.split(".")[0] for name in sys.modules} & forbidden
+
+report = {"imported": [], "culprits": {}}
+already = loaded()
+if stub:
+    spec = importlib.util.find_spec("kvtier")
+    top = types.ModuleType("kvtier")
+    top.__path__ = list(spec.submodule_search_locations)
+    sys.modules["kvtier"] = top
+for pkg in packages:
+    if importlib.util.find_spec(pkg) is None:
+        continue
+    names = [pkg] + [info.name for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]
+    for name in names:
+        importlib.import_module(name)
+        report["imported"].append(name)
+        new = sorted(loaded() - already)
+        if new:
+            report["culprits"][name] = new
+            already |= set(new)
+print(json.dumps(report))
+"""
+
+
+def probe(mode: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(PACKAGES), json.dumps(FORBIDDEN), mode],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "kvtier.kvcache.manager" in report["imported"] and "kvtier.sched.output" in report["imported"]
+    return report
+
+
+@pytest.mark.parametrize("mode", ["stub", "real"], ids=["layer-modules", "through-kvtier-package"])
+def test_bookkeeping_layers_import_no_torch_fastapi_or_prometheus(mode: str) -> None:
+    """layer-modules: the modules of kvcache/, sched/, cost/ themselves. through-kvtier-package:
+    a plain `import kvtier.kvcache`, which also runs kvtier/__init__.py (keep it lazy)."""
+    culprits = probe(mode)["culprits"]
+    assert culprits == {}, (
+        "these imports pull in forbidden packages (module: packages it first loaded): "
+        f"{culprits}; move the import into the layer that needs it or import it lazily"
+        + (" (kvtier/__init__.py runs first: make its re-exports lazy, PEP 562 __getattr__)"
+           if mode == "real" else ""))
