@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtier.sched.scheduler import SchedulerConfig
+from kvtier.tiers.hierarchy import TierConfig
 
 
 @dataclass(frozen=True)
@@ -56,3 +57,4 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)

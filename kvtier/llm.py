@@ -10,6 +10,7 @@ from kvtier.engine.core import EngineCore
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.scheduler import SchedulerConfig
+from kvtier.tiers.hierarchy import TierConfig
 
 PromptType = Union[str, list[int], dict[str, Any]]
 
@@ -27,7 +28,12 @@ class LLM:
                  max_num_batched_tokens: int = 2048, seed: int = 0, device: str | None = None,
                  max_model_len: int | None = None, tokenizer: str | None = None,
                  scheduling_policy: str = "fcfs", eviction_policy: str = "lru",
-                 enable_chunked_prefill: bool = True, skip_tokenizer_init: bool = False) -> None:
+                 enable_chunked_prefill: bool = True, skip_tokenizer_init: bool = False,
+                 host_cache_bytes: int | None = None, disk_cache_dir: str | None = None,
+                 disk_cache_bytes: int | None = None, remote_cache_url: str | None = None,
+                 remote_ttl_s: float | None = None, cache_write_policy: str = "write_through",
+                 cache_compression: str | None = None, restore_policy: str = "cost",
+                 tier_faults: dict[str, str] | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, tokenizer=tokenizer),
@@ -38,6 +44,11 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy,
                                       enable_chunked_prefill=enable_chunked_prefill),
+            tiers=TierConfig(host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
+                             disk_cache_bytes=disk_cache_bytes, remote_cache_url=remote_cache_url,
+                             remote_ttl_s=remote_ttl_s, cache_write_policy=cache_write_policy,
+                             compression=cache_compression, restore_policy=restore_policy,
+                             faults=tuple(sorted((tier_faults or {}).items()))),
         )
         tok = None
         if not skip_tokenizer_init:
@@ -59,6 +70,21 @@ class LLM:
 
     def check_integrity(self) -> None:
         self.engine.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every unreferenced cached block from the device pool (tiers below keep theirs);
+        returns how many blocks were dropped."""
+        return self.engine.reset_prefix_cache()
+
+    def close(self) -> None:
+        """Finish queued tier writes and release tier connections."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -61,3 +61,5 @@ class RequestOutput:
     num_recomputed_tokens: int = 0
     """Prompt tokens computed for this request."""
     num_preemptions: int = 0
+    restore_decision: str | None = None
+    """With tiers: 'none' (nothing stored), 'recompute', 'restore' or 'partial'."""

@@ -1,16 +1,201 @@
-"""The `kvtier` command."""
+"""The `kvtier` command.
+
+Every command that builds an engine takes the same engine and tier flags, added by
+`add_engine_args` and turned into `LLM(...)` keyword arguments by `engine_kwargs`; a flag that is
+not given is left out, so the LLM constructor's defaults apply.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from typing import Any
+
+# Tier names and write policies, as kvtier.tiers.hierarchy spells them (not imported here so
+# that `kvtier --help` and flag errors do not wait for torch).
+TIERS = ("host", "disk", "remote")
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
+def parse_size(text: str) -> int:
+    """A byte count: "1048576", "512MiB", "2GB", "1.5GiB", "64k".
+
+    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}; use bytes or a unit, e.g. 1048576, 512MiB, 2GB")
+    value = float(m.group(1)) * _SIZE_UNITS[unit]
+    if value < 1:
+        raise ValueError(f"invalid size {text!r}; must be at least 1 byte")
+    return int(value)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+
+
+def _tier_fault(text: str) -> tuple[str, str]:
+    tier, sep, spec = text.partition("=")
+    tier = tier.strip().lower()
+    if not sep or tier not in TIERS:
+        raise argparse.ArgumentTypeError(
+            f"expected TIER=SPEC with TIER one of {', '.join(TIERS)}, e.g. "
+            f"disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1; got {text!r}")
+    from kvtier.tiers.base import FaultConfig  # light: no torch
+
+    try:
+        FaultConfig.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return tier, spec
+
+
+def _compression(text: str) -> str | None:
+    value = text.strip().lower()
+    if value in ("none", "off", ""):
+        return None
+    if value not in ("lz4", "zstd"):
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from none, lz4, zstd)")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports every usage error as `kvtier: error: ...` (exit 2), subcommands included."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        self.exit(2, f"kvtier: error: {message}\n")
+
+
+# ------------------------------------------------------------------ shared engine flags
+def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "default: auto, the "
+                    "checkpoint's dtype") -> None:
+    """The engine flags (LLM's constructor) and the tier flags, for every engine-building command.
+    Defaults are None: a flag that is not given leaves the LLM default in place."""
+    e = parser.add_argument_group("engine")
+    e.add_argument("--dtype", choices=DTYPES, default=None, help=f"weights and KV dtype ({dtype_help})")
+    e.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 16)")
+    pool = e.add_mutually_exclusive_group()
+    pool.add_argument("--num-device-blocks", type=_positive_int, default=None,
+                      help="blocks in the device KV pool")
+    pool.add_argument("--kv-cache-bytes", type=_size, default=None, metavar="SIZE",
+                      help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=None, help="running sequences at most (default 64)")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                   help="tokens per step at most (default 2048)")
+    e.add_argument("--seed", type=_int, default=None, help="seed of requests without their own (default 0)")
+    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+                   help="do not reuse KV across requests (tiers below the device need it)")
+    e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
+    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
+
+    t = parser.add_argument_group("KV tiers below the device")
+    t.add_argument("--host-cache-bytes", type=_size, default=None, metavar="SIZE",
+                   help="host-memory tier size, e.g. 8GiB")
+    t.add_argument("--disk-cache-dir", default=None, metavar="DIR",
+                   help="disk tier directory (a later process finds what an earlier one stored)")
+    t.add_argument("--disk-cache-bytes", type=_size, default=None, metavar="SIZE",
+                   help="disk tier capacity (default 16GiB; needs --disk-cache-dir)")
+    t.add_argument("--remote-cache-url", default=None, metavar="URL",
+                   help="redis://, rediss://, valkey:// or redis+cluster://host:port,host:port")
+    t.add_argument("--remote-ttl-s", type=_positive_float, default=None, metavar="SECONDS",
+                   help="time to live of remote entries (default: no expiry)")
+    t.add_argument("--cache-write-policy", choices=WRITE_POLICIES, default=None,
+                   help="when computed blocks are written down (default write_through)")
+    t.add_argument("--cache-compression", type=_compression, default=None, metavar="{none,lz4,zstd}",
+                   help="compression of disk and remote payloads (default none)")
+    t.add_argument("--tier-faults", type=_tier_fault, action="append", default=None, metavar="TIER=SPEC",
+                   help="inject faults into a tier, e.g. disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1 "
+                        "(repeatable, one per tier)")
+
+
+ENGINE_KEYS = ("dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
+               "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
+               "scheduling_policy")
+TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
+             "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults")
+
+
+def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+    """The LLM(...) keyword arguments the flags of `add_engine_args` ask for (only those given).
+    Inconsistent combinations are usage errors (through `parser.error` when given)."""
+    def fail(msg: str) -> None:
+        if parser is not None:
+            parser.error(msg)
+        raise ValueError(msg)
+
+    kw: dict[str, Any] = {}
+    for key in ENGINE_KEYS + TIER_KEYS:
+        value = getattr(args, key, None)
+        if value is not None:
+            kw[key] = value
+    faults = kw.pop("tier_faults", None)
+    if faults:
+        tiers = [tier for tier, _ in faults]
+        dup = sorted({tier for tier in tiers if tiers.count(tier) > 1})
+        if dup:
+            fail(f"argument --tier-faults: given more than once for {', '.join(dup)}")
+        kw["tier_faults"] = dict(faults)
+    if "disk_cache_bytes" in kw and "disk_cache_dir" not in kw:
+        fail("argument --disk-cache-bytes: needs --disk-cache-dir")
+    if "remote_ttl_s" in kw and "remote_cache_url" not in kw:
+        fail("argument --remote-ttl-s: needs --remote-cache-url")
+    tiers_on = any(k in kw for k in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url"))
+    if tiers_on and kw.get("enable_prefix_caching") is False:
+        fail("tiers below the device need prefix caching; drop --no-prefix-caching")
+    return kw
+
+
+# ------------------------------------------------------------------ commands
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
 
-    summary = run_demo(args.model_dir, prefix_repeats=args.prefix_repeats, max_tokens=args.max_tokens)
+    summary = run_demo(args.model_dir, prefix_repeats=args.prefix_repeats, max_tokens=args.max_tokens,
+                       tiers=not args.no_tiers, engine_kwargs=args.engine_kwargs)
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -19,47 +204,62 @@ def _demo(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from kvtier import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size,
-              num_device_blocks=args.num_device_blocks, seed=args.seed)
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-    for o in llm.generate(args.prompt, sp):
-        print(o.outputs[0].text)
+    with LLM(args.model, **args.engine_kwargs) as llm:
+        sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
+        for o in llm.generate(args.prompt, sp):
+            print(o.outputs[0].text)
+            if args.verbose:
+                ttft = o.metrics.ttft_s
+                ttft_text = f"{ttft * 1e3:.1f} ms" if ttft is not None else "n/a"
+                print(f"[kvtier] prompt {len(o.prompt_token_ids)} tokens, cached {o.cached_tokens_by_tier}, "
+                      f"computed {o.num_recomputed_tokens}, restore {o.restore_decision}, "
+                      f"TTFT {ttft_text}", file=sys.stderr)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="KV-cache-centric LLM inference engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvtier", description="KV-cache-centric LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    d = sub.add_parser("demo", help="shared-prefix workload on a built-in untrained model (no download)")
+    d = sub.add_parser("demo", help="shared-prefix workload on a built-in untrained model (no download)",
+                       description="Serves requests that share a long system prompt on a built-in, "
+                       "UNTRAINED model: cold vs warm TTFT from the device prefix cache, then the same "
+                       "prefix from device, host, disk and recomputed. Tier flags configure part two "
+                       "(its device pool is always small; the default disk directory is temporary).")
     d.add_argument("--model-dir", default=None, help="where to build/find the demo model "
                    "(default: $KVTIER_CACHE_DIR or ~/.cache/kvtier)")
-    d.add_argument("--prefix-repeats", type=int, default=12, help="length of the shared system prompt")
-    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--prefix-repeats", type=_positive_int, default=12, help="length of the shared system prompt")
+    d.add_argument("--max-tokens", type=_positive_int, default=4, help="output tokens per request (default 4)")
+    d.add_argument("--no-tiers", action="store_true", help="skip part two (device, host, disk, recompute)")
     d.add_argument("--json", action="store_true", help="also print the summary as JSON")
-    d.set_defaults(func=_demo)
+    add_engine_args(d, dtype_help="default: float32 on CPU, bfloat16 on GPU")
+    d.set_defaults(func=_demo, subparser=d)
 
     g = sub.add_parser("generate", help="generate text for prompts with a local checkpoint")
     g.add_argument("--model", required=True, help="Hugging Face model directory")
     g.add_argument("prompt", nargs="+")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-device-blocks", type=int, default=None)
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--max-tokens", type=_positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.set_defaults(func=_generate)
+    g.add_argument("-v", "--verbose", action="store_true",
+                   help="print cached tokens by tier, restore decision and TTFT to stderr")
+    add_engine_args(g)
+    g.set_defaults(func=_generate, subparser=g)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.engine_kwargs = engine_kwargs(args, args.subparser)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError, ImportError) as e:
         print(f"kvtier: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

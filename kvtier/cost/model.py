@@ -78,6 +78,8 @@ class PrefillEstimator:
         self.P = [[1e-2, 0.0], [0.0, 1e-10]]
         self.forget = forget
         self.num_samples = 0
+        self.frozen = False
+        """Pin the estimate (experiments that model a slower or faster accelerator)."""
 
     @staticmethod
     def features(num_tokens: int, context: int) -> tuple[float, float]:
@@ -91,6 +93,8 @@ class PrefillEstimator:
 
     def observe(self, x: tuple[float, float], seconds: float) -> None:
         """One measurement: x = summed features of the step's sequences."""
+        if self.frozen:
+            return
         P, th, lam = self.P, self.theta, self.forget
         px = [P[0][0] * x[0] + P[0][1] * x[1], P[1][0] * x[0] + P[1][1] * x[1]]
         denom = lam + x[0] * px[0] + x[1] * px[1]
@@ -155,8 +159,10 @@ class CostModel:
             total += n
         return t + total * self.block_bytes / self.h2d.get(1e10)
 
-    def decide(self, device_tokens: int, runs: list[TierRun], prompt_tokens: int) -> RestoreDecision:
-        """Best number of stored blocks to restore after `device_tokens` already on device.
+    def decide(self, device_tokens: int, runs: list[TierRun], prompt_tokens: int,
+               restore_all: bool = False) -> RestoreDecision:
+        """Best number of stored blocks to restore after `device_tokens` already on device
+        (`restore_all`: every stored block, whatever it costs).
 
         `prompt_tokens` counts every token the request needs computed before its first output
         (the last one is always computed, so runs never cover it).
@@ -176,7 +182,7 @@ class CostModel:
                 ctx = device_tokens + k * bs
                 t_restore = self.restore_s(per)
                 t_rest = self.prefill.estimate(prompt_tokens - ctx, ctx)
-                if t_restore + t_rest < best_t:
+                if t_restore + t_rest < best_t or (restore_all and k == total):
                     best_k, best_t, best_restore, best_per = k, t_restore + t_rest, t_restore, dict(per)
         if best_k == 0:
             kind = "recompute"

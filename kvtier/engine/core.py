@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from kvtier.config import EngineConfig
-from kvtier.kvcache.keys import root_key
+from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample
 from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -81,7 +81,15 @@ class EngineCore:
             num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed)
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  cc.eviction_policy)
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.tiers = None
+        if config.tiers.enabled:
+            if not cc.enable_prefix_caching:
+                raise ValueError("tiers below the device need enable_prefix_caching=True")
+            from kvtier.tiers.hierarchy import TierHierarchy
+            self.tiers = TierHierarchy(config.tiers, fingerprint=self.runner.fingerprint,
+                                       block_bytes=self.runner.kv_bytes_per_block, block_size=cc.block_size)
+            self.kv.set_store_policy(config.tiers.cache_write_policy, config.tiers.selective_min_hits)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.tiers)
         self.tokenizer = tokenizer
         arch = self.runner.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
@@ -97,6 +105,9 @@ class EngineCore:
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
         self._ids = itertools.count()
         self.step_stats = StepStats()
+        if self.tiers is not None:
+            from kvtier.engine.calibrate import calibrate
+            calibrate(self.runner, self.tiers)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -119,6 +130,10 @@ class EngineCore:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, ids, params, arrival)
         req = self._new_seq(group, 0, ids, cache_salt, priority, arrival)
+        if self.tiers is not None and self.tiers.has_remote:
+            bs = self.kv.block_size
+            req.tier_keys = chain_keys(req.root_key, ids, bs, num_blocks=(len(ids) - 1) // bs)
+            req.remote_lookup = self.tiers.submit_remote_lookup(req.tier_keys)
         self.scheduler.add_request(req)
         self._groups[request_id] = group
         return request_id
@@ -184,15 +199,25 @@ class EngineCore:
         if out.is_empty:
             self.kv.end_step()
             st.schedule_s += t1 - t0
+            self._idle_wait()
             return []
+        if self.tiers is not None:
+            self._store_blocks()  # evicted (write-back) blocks, before anything overwrites them
+            for block_id, kv in out.block_loads:
+                self.runner.write_block(block_id, kv)
+        t1 = time.perf_counter()
         logits = self.runner.execute(out)
         t2 = time.perf_counter()
+        if self.tiers is not None:
+            self._observe_prefill(out, t2 - t1)
         rows, forks = self._sample_rows(out)
         samples = sample(logits, rows) if rows else []
         t3 = time.perf_counter()
         sampled = {key: s.token_id for key, s in zip(self._row_keys, samples)}
         finished = self.scheduler.update_from_output(out, sampled)
         moved = self._process(out, samples, forks, finished)
+        if self.tiers is not None:
+            self._store_blocks()  # blocks just computed (write-through), before they can go
         t4 = time.perf_counter()
         st.num_steps += 1
         st.schedule_s += t1 - t0
@@ -201,6 +226,38 @@ class EngineCore:
         st.update_s += t4 - t3
         st.num_batched_tokens += out.num_batched_tokens
         return moved
+
+    # ------------------------------------------------------------------ tiers
+    def _store_blocks(self) -> None:
+        todo = self.kv.take_blocks_to_store()
+        if todo:
+            self.tiers.store([key for _, key in todo], [self.runner.read_block(b) for b, _ in todo])
+
+    def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
+        x0 = x1 = 0.0
+        for seq in out.seqs:
+            a, b = self.tiers.cost.prefill.features(len(seq.token_ids), seq.start_pos)
+            x0 += a
+            x1 += b
+        if x0:
+            self.tiers.cost.prefill.observe((x0, x1), seconds)
+
+    def _idle_wait(self) -> None:
+        """Nothing to compute: wait briefly for background I/O instead of spinning."""
+        pending = self.scheduler.pending_futures()
+        if pending:
+            from concurrent.futures import FIRST_COMPLETED, wait
+            wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
+
+    def reset_prefix_cache(self) -> int:
+        n = self.kv.pool.evict_all()
+        if self.tiers is not None:
+            self._store_blocks()  # write-back: what the device drops goes down first
+        return n
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _sample_rows(self, out: SchedulerOutput) -> tuple[list[SampleRow], dict[str, list[int]]]:
         """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row."""
@@ -302,13 +359,14 @@ class EngineCore:
                 cumulative_logprob=group.cum_logprobs[i] if group.params.logprobs is not None else None))
         head = group.seqs[0]
         cached = head.num_cached_tokens or 0
+        by_tier = {"device": 0, **head.cached_by_tier} if head.cached_by_tier else {"device": cached}
         metrics = RequestMetrics(group.arrival_time, head.first_scheduled_time, head.first_token_time,
                                  max((r.finished_time or 0.0) for r in group.seqs) if group.finished else None)
         return RequestOutput(
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outs, finished=group.finished, metrics=metrics, num_cached_tokens=cached,
-            cached_tokens_by_tier={"device": cached}, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
-            num_preemptions=group.num_preemptions)
+            cached_tokens_by_tier=by_tier, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
+            num_preemptions=group.num_preemptions, restore_decision=head.restore_decision)
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         out = self._output(group)

@@ -42,6 +42,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self.index = index
         self.num_evicted_blocks = 0
+        self.eviction_log: list[tuple[int, BlockKey]] | None = None
+        """When a list, every eviction appends (block_id, key): write-back saves the KV first."""
 
     # ------------------------------------------------------------------ counts
     @property
@@ -74,6 +76,8 @@ class BlockPool:
                         self.free_block(bid)
                     raise NoFreeBlocksError("no evictable leaf block")
                 block = self.blocks[node.block_id]
+                if self.eviction_log is not None:
+                    self.eviction_log.append((block.block_id, node.key))
                 block.key = None
                 self.num_evicted_blocks += 1
             block.ref_cnt = 1
@@ -127,6 +131,22 @@ class BlockPool:
         block.key = None
         self._free.append(block.block_id)
         return True
+
+    def evict_all(self) -> int:
+        """Evict every unreferenced cached block (leaves first); returns how many."""
+        n = 0
+        while self.index is not None:
+            node = self.index.evict_one()
+            if node is None:
+                break
+            block = self.blocks[node.block_id]
+            if self.eviction_log is not None:
+                self.eviction_log.append((block.block_id, node.key))
+            block.key = None
+            self._free.append(block.block_id)
+            self.num_evicted_blocks += 1
+            n += 1
+        return n
 
     # ------------------------------------------------------------------ checks
     def check_integrity(self, expected_refs: dict[int, int] | None = None) -> None:

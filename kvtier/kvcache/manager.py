@@ -76,6 +76,12 @@ class KVCacheManager:
         self._pending: dict[str, list[BlockCopy]] = {}
         self._in_flight: list[BlockCopy] = []
         self.stats = PrefixCacheStats()
+        # Tiers below the device (see set_store_policy): blocks whose KV must be read out.
+        self.store_policy: str | None = None
+        self.selective_min_hits = 2
+        self._to_store: list[tuple[int, BlockKey]] = []
+        self._restored_keys: set[BlockKey] = set()
+        self._loads: dict[str, list[tuple[int, object]]] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -163,7 +169,10 @@ class KVCacheManager:
         for b in match.block_ids:
             self.pool.ref(b)
         for b in match.block_ids:
-            self.index.record_hit(self.index.get(self.pool.blocks[b].key))
+            node = self.index.get(self.pool.blocks[b].key)
+            self.index.record_hit(node)
+            if self.store_policy == "selective" and node.hits == self.selective_min_hits:
+                self._to_store.append((b, node.key))
         num_new = cdiv(num_cached + num_new_tokens, self.block_size) - len(match.block_ids)
         if match.partial_src is not None:
             self.pool.ref(match.partial_src)  # lock until the copy has run
@@ -219,8 +228,13 @@ class KVCacheManager:
             key = keys[i]
             if key not in index:
                 parent = keys[i - 1] if i else state.root
-                self.pool.cache_block(state.block_ids[i], key, parent,
-                                      tokens[i * bs:(i + 1) * bs], is_first=(i == 0))
+                if self.pool.cache_block(state.block_ids[i], key, parent,
+                                         tokens[i * bs:(i + 1) * bs], is_first=(i == 0)) \
+                        and self.store_policy == "write_through":
+                    if key in self._restored_keys:
+                        self._restored_keys.discard(key)  # it came from a tier: already there
+                    else:
+                        self._to_store.append((state.block_ids[i], key))
         state.num_registered = len(keys)
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> bool:
@@ -250,9 +264,55 @@ class KVCacheManager:
         """Release everything the request holds: blocks, pending copies and their locks."""
         for copy in self._pending.pop(req_id, ()):
             self.pool.free_block(copy.src_block)
+        self._loads.pop(req_id, None)
         state = self._reqs.pop(req_id, None)
         if state is not None:
             self.pool.free_blocks(state.block_ids)
+
+    # ------------------------------------------------------------------ tiers below
+    def set_store_policy(self, policy: str | None, selective_min_hits: int = 2) -> None:
+        """Which blocks `take_blocks_to_store` reports: 'write_through' (each block once it is
+        full and computed), 'write_back' (each block the device evicts), 'selective' (each
+        block on its Nth hit), or None (no tiers)."""
+        self.store_policy = policy
+        self.selective_min_hits = selective_min_hits
+        self.pool.eviction_log = [] if policy == "write_back" else None
+
+    def take_blocks_to_store(self) -> list[tuple[int, BlockKey]]:
+        """(block_id, key) pairs whose KV is intact now and must be read before the next
+        forward pass, copy or load (an evicted block may already belong to someone else)."""
+        log = self.pool.eviction_log
+        if log:
+            self._to_store.extend(log)
+            log.clear()
+        out, self._to_store = self._to_store, []
+        return out
+
+    def allocate_restore(self, req_id: str, tokens: Sequence[int], root: BlockKey,
+                         match: PrefixMatch, restore_keys: list[BlockKey]) -> bool:
+        """Admit a request whose next `len(restore_keys)` blocks will be loaded from a tier:
+        reference its device prefix (full blocks only) and take blocks for the restore."""
+        full = PrefixMatch(list(match.block_ids), list(match.keys))
+        return self.allocate_new(req_id, tokens, root, full, len(restore_keys) * self.block_size)
+
+    def finish_restore(self, req_id: str, restore_keys: list[BlockKey], tensors: list[object]) -> int:
+        """The load finished with `tensors` for the leading restore blocks (maybe fewer than
+        asked). Queues them for the runner (`take_loads`); returns how many blocks loaded."""
+        state = self._reqs[req_id]
+        first = len(state.keys)
+        loads = [(state.block_ids[first + i], kv) for i, kv in enumerate(tensors)]
+        if loads:
+            self._loads[req_id] = loads
+            self._restored_keys.update(restore_keys[:len(tensors)])
+        return len(loads)
+
+    def take_loads(self) -> list[tuple[int, object]]:
+        """(block_id, kv) to write into the pool before this step's forward pass."""
+        out: list[tuple[int, object]] = []
+        for loads in self._loads.values():
+            out.extend(loads)
+        self._loads.clear()
+        return out
 
     # ------------------------------------------------------------------ step protocol
     def take_copies(self) -> list[BlockCopy]:

@@ -133,6 +133,16 @@ class ModelRunner:
         index = long_tensor(block_ids, self.device)
         self.kv_pool.index_copy_(3, index, kv.to(self.device, self.kv_dtype).permute(1, 2, 3, 0, 4, 5))
 
+    @torch.no_grad()
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A contiguous copy of one block's KV, every layer: [num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        return self.kv_pool[:, :, :, block_id].clone()
+
+    @torch.no_grad()
+    def write_block(self, block_id: int, kv: torch.Tensor) -> None:
+        """Inverse of `read_block` (a restore from a tier below)."""
+        self.kv_pool[:, :, :, block_id].copy_(kv)
+
     # -- internals ---------------------------------------------------------------------------
 
     def _copy_blocks(self, copies: list[BlockCopy]) -> None:

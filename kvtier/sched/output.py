@@ -14,6 +14,7 @@ scheduled sequence, the tokens to compute this step and where their KV goes::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -52,6 +53,8 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
+    block_loads: list[tuple[int, Any]] = field(default_factory=list)
+    """(block_id, kv) restored from a tier below: written into the pool before the forward pass."""
 
     @property
     def num_batched_tokens(self) -> int:
@@ -59,4 +62,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.block_copies
+        return not self.seqs and not self.block_copies and not self.block_loads

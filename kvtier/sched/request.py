@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.sampling_params import SamplingParams
@@ -14,6 +15,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    LOADING = "loading"
+    """Holding blocks while a tier below restores part of its prefix."""
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -59,6 +62,15 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: int | str | None = None
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    """Prompt tokens not recomputed, by where their KV came from (first admission)."""
+    restore_decision: str | None = None
+    tier_keys: list[bytes] | None = None
+    """Chained keys of the full blocks of all_token_ids[:-1] (for tier lookups)."""
+    remote_lookup: Any = None
+    """Future: how many leading tier_keys the remote tier holds."""
+    load_future: Any = None
+    restore_keys: list[bytes] | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -13,6 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 import time
 
+from collections import Counter
+from typing import Any
+
+from kvtier.kvcache.keys import chain_keys
 from kvtier.kvcache.manager import KVCacheManager, cdiv
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 from kvtier.sched.queues import make_queue
@@ -50,11 +54,15 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiers: Any = None) -> None:
         self.config = config
         self.kv = kv
+        self.tiers = tiers
+        """A TierHierarchy (duck-typed: runs/submit_load/cost), or None for device only."""
         self.waiting = make_queue(config.policy, config.aging_steps)
         self.running: list[Request] = []
+        self.loading: list[Request] = []
+        self.restore_decisions: Counter[str] = Counter()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrivals = 0
@@ -105,6 +113,8 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.LOADING:
+            self.loading.remove(req)
         elif not req.status.finished:
             self.waiting.remove(req)
         req.status = status
@@ -134,6 +144,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = cfg.max_num_batched_tokens
         now = time.monotonic()
+        if self.loading:
+            self._finish_loads()
         self.running.sort(key=self._rank)
         i = 0
         while i < len(self.running) and budget > 0:
@@ -157,15 +169,20 @@ class Scheduler:
         for req in self.waiting:
             req.waited_steps += 1
         out.block_copies = self.kv.take_copies()
+        out.block_loads = self.kv.take_loads()
         return out
 
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         cfg = self.config
         bs = self.kv.block_size
         for req in self.waiting.ordered():
-            if len(self.running) >= cfg.max_num_seqs or budget <= 0:
+            if len(self.running) + len(self.loading) >= cfg.max_num_seqs or budget <= 0:
                 break
+            if req.remote_lookup is not None and not req.remote_lookup.done():
+                continue  # its remote lookup is on the way; others may go first meanwhile
             match = self.kv.match(req.all_token_ids, req.root_key)
+            if self.tiers is not None and self._try_restore(req, match, now):
+                continue
             num_cached = match.num_cached_tokens(bs)
             n = req.num_tokens - num_cached
             if n > budget and not cfg.enable_chunked_prefill:
@@ -179,11 +196,83 @@ class Scheduler:
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = num_cached
+                req.cached_by_tier = {"device": num_cached}
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             out.seqs.append(self._seq(req, n))
             budget -= n
         return budget
+
+    # ------------------------------------------------------------------ tiers below
+    def _try_restore(self, req: Request, match, now: float) -> bool:
+        """Start restoring the stored blocks after the device prefix if the cost model says it
+        beats recomputing them; the request then waits in `loading`. False: admit as usual."""
+        bs = self.kv.block_size
+        tokens = req.all_token_ids
+        num_full = (len(tokens) - 1) // bs
+        keys = req.tier_keys
+        if keys is None or len(keys) < num_full:
+            keys = req.tier_keys = chain_keys(req.root_key, tokens, bs, num_blocks=num_full)
+        d = len(match.block_ids)
+        remote = req.remote_lookup.result() if req.remote_lookup is not None else 0
+        runs = self.tiers.runs(keys[:num_full], d, remote)
+        decision = self.tiers.cost.decide(d * bs, runs, len(tokens),
+                                          restore_all=self.tiers.config.restore_policy == "always")
+        self.restore_decisions[decision.kind] += 1
+        if req.restore_decision is None:
+            req.restore_decision = decision.kind
+        if decision.num_blocks == 0:
+            return False
+        k = decision.num_blocks
+        restore_keys = keys[d:d + k]
+        if not self.kv.allocate_restore(req.req_id, tokens, req.root_key, match, restore_keys):
+            return False
+        plan, left = [], k
+        for run in runs:
+            take = min(run.num_blocks, left)
+            if take:
+                plan.append(type(run)(run.tier, take))
+            left -= take
+        req.load_future = self.tiers.submit_load(restore_keys, plan)
+        req.restore_keys = restore_keys
+        self.waiting.remove(req)
+        self.loading.append(req)
+        req.status = RequestStatus.LOADING
+        req.num_computed_tokens = d * bs
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = d * bs
+            req.cached_by_tier = {"device": d * bs}
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+        return True
+
+    def _finish_loads(self) -> None:
+        """Move requests whose restore finished to running (failed blocks are recomputed)."""
+        bs = self.kv.block_size
+        for req in [r for r in self.loading if r.load_future.done()]:
+            try:
+                result = req.load_future.result()
+                tensors, per_tier = result.tensors, result.per_tier
+            except Exception:  # a broken load is a miss: recompute
+                tensors, per_tier = [], {}
+            n = self.kv.finish_restore(req.req_id, req.restore_keys, tensors)
+            req.num_computed_tokens += n * bs
+            if req.num_preemptions == 0:  # the first admission is what the request reports
+                for name, count in per_tier.items():
+                    req.cached_by_tier[name] = req.cached_by_tier.get(name, 0) + count * bs
+                req.num_cached_tokens += n * bs
+            req.load_future = None
+            req.restore_keys = None
+            self.loading.remove(req)
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+
+    def pending_futures(self) -> list[Any]:
+        """Background work the scheduler is waiting for (loads, remote lookups)."""
+        out = [r.load_future for r in self.loading]
+        out += [r.remote_lookup for r in self.waiting if r.remote_lookup is not None
+                and not r.remote_lookup.done()]
+        return out
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
@@ -226,8 +315,11 @@ class Scheduler:
         self.kv.check_integrity()
         running = {r.req_id for r in self.running}
         waiting = {r.req_id for r in self.waiting}
-        assert not running & waiting, "a request is both running and waiting"
-        assert running | waiting == set(self.requests), "a live request is neither running nor waiting"
+        loading = {r.req_id for r in self.loading}
+        assert not running & waiting and not loading & (running | waiting), "a request is in two queues"
+        assert running | waiting | loading == set(self.requests), "a live request is in no queue"
+        for req in self.loading:
+            assert self.kv.has_request(req.req_id), f"loading {req.req_id} holds no blocks"
         for req in self.running:
             assert self.kv.has_request(req.req_id), f"running {req.req_id} holds no blocks"
             assert req.num_computed_tokens <= req.num_tokens

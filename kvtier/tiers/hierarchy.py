@@ -1,0 +1,322 @@
+"""TierHierarchy: host -> disk -> remote below the device pool, with background I/O.
+
+The scheduler never waits on it: lookups of the remote tier, loads and stores run on worker
+threads and hand back futures. Local lookups (host, disk: in-memory indexes) are synchronous.
+
+Write policies (when a computed block goes down):
+    write_through   as soon as it is full and computed (every configured tier)
+    write_back      when the device evicts it (into the first tier; host evictions demote on)
+    selective       once it has been hit `selective_min_hits` times on device
+
+Loads copy below-device hits into device blocks; disk and remote hits are promoted into host.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.cost.model import CostModel, TierRun
+from kvtier.tiers.base import FaultConfig, TierStats
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_back", "selective")
+TIER_ORDER = ("host", "disk", "remote")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Tiers below the device pool. Each is optional; none configured means device only."""
+
+    host_cache_bytes: int | None = None
+    """Bytes of host memory for KV blocks."""
+    disk_cache_dir: str | None = None
+    """Directory for the disk tier (a new process finds what an earlier one stored)."""
+    disk_cache_bytes: int | None = None
+    """Capacity of the disk tier (default 16 GiB when a directory is given)."""
+    remote_cache_url: str | None = None
+    """redis://, rediss://, valkey://, or redis+cluster://host:port,host:port."""
+    remote_ttl_s: float | None = None
+    """Time to live of remote entries (None: no expiry)."""
+    remote_timeout_s: float = 1.0
+    """Socket timeout of remote operations."""
+    cache_write_policy: str = "write_through"
+    """'write_through', 'write_back' or 'selective' (see docs/benchmarks.md for the choice)."""
+    selective_min_hits: int = 2
+    """With 'selective': device hits before a block is written down."""
+    compression: str | None = None
+    """None, 'lz4' or 'zstd' for disk and remote payloads."""
+    restore_policy: str = "cost"
+    """'cost': restore a stored prefix only when the cost model says it beats recomputing it;
+    'always': restore whatever is stored (what engines without a cost model do)."""
+    faults: tuple[tuple[str, str], ...] = ()
+    """Fault injection per tier: (("disk", "latency_ms=5,bandwidth_mbps=200"), ...)."""
+    io_threads: int = 2
+    """Background I/O workers."""
+    max_pending_stores: int = 4096
+    """Blocks queued for disk/remote beyond this are dropped (counted), never block the engine."""
+
+    def __post_init__(self) -> None:
+        if self.cache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"cache_write_policy must be one of {WRITE_POLICIES}, got "
+                             f"{self.cache_write_policy!r}")
+        if self.host_cache_bytes is not None and self.host_cache_bytes <= 0:
+            raise ValueError("host_cache_bytes must be positive")
+        if self.disk_cache_bytes is not None and self.disk_cache_dir is None:
+            raise ValueError("disk_cache_bytes needs disk_cache_dir")
+        if self.restore_policy not in ("cost", "always"):
+            raise ValueError("restore_policy must be 'cost' or 'always'")
+        if self.compression not in (None, "lz4", "zstd"):
+            raise ValueError("compression must be None, 'lz4' or 'zstd'")
+        for tier, spec in self.faults:
+            if tier not in TIER_ORDER:
+                raise ValueError(f"fault injection for unknown tier {tier!r}; tiers: {TIER_ORDER}")
+            FaultConfig.parse(spec)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.host_cache_bytes or self.disk_cache_dir or self.remote_cache_url)
+
+    def fault_for(self, tier: str) -> FaultConfig | None:
+        for name, spec in self.faults:
+            if name == tier:
+                return FaultConfig.parse(spec)
+        return None
+
+
+@dataclass(slots=True)
+class LoadResult:
+    tensors: list[Any]
+    """KV of the leading blocks that loaded (stops at the first failure)."""
+    per_tier: dict[str, int]
+    seconds: float
+    queue_s: float
+
+
+@dataclass
+class HierarchyStats:
+    stores_dropped: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    demotions: int = 0
+    promotions: int = 0
+
+
+class TierHierarchy:
+    def __init__(self, config: TierConfig, *, fingerprint: bytes, block_bytes: int,
+                 block_size: int, cost: CostModel | None = None) -> None:
+        self.config = config
+        self.fingerprint = fingerprint
+        self.block_bytes = block_bytes
+        self.tiers: dict[str, Any] = {}
+        if config.host_cache_bytes:
+            from kvtier.tiers.host import HostTier
+            self.tiers["host"] = HostTier(config.host_cache_bytes, faults=config.fault_for("host"),
+                                          on_evict=self._on_host_evict)
+        if config.disk_cache_dir:
+            from kvtier.tiers.disk import DiskTier
+            self.tiers["disk"] = DiskTier(config.disk_cache_dir, config.disk_cache_bytes or 16 << 30,
+                                          fingerprint=fingerprint, faults=config.fault_for("disk"))
+        if config.remote_cache_url:
+            from kvtier.tiers.remote import RemoteTier
+            self.tiers["remote"] = RemoteTier(config.remote_cache_url, fingerprint=fingerprint,
+                                              ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
+                                              faults=config.fault_for("remote"))
+        self.names = list(self.tiers)
+        self.cost = cost or CostModel(self.names, block_bytes, block_size)
+        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
+        self._lock = threading.Lock()
+        self._pending_stores = 0
+        self._inflight: dict[str, int] = {name: 0 for name in self.names}
+        self.stats = HierarchyStats()
+        self._closed = False
+
+    # ------------------------------------------------------------------ lookup
+    @property
+    def has_remote(self) -> bool:
+        return "remote" in self.tiers
+
+    def submit_remote_lookup(self, keys: list[bytes]) -> Future | None:
+        """Count of leading `keys` the remote tier holds, in the background."""
+        if "remote" not in self.tiers or not keys:
+            return None
+        return self._pool.submit(self._timed_lookup, "remote", keys)
+
+    def _timed_lookup(self, name: str, keys: list[bytes]) -> int:
+        t0 = time.perf_counter()
+        n = self.tiers[name].contains_prefix(keys)
+        self.cost.tiers[name].observe_lookup(time.perf_counter() - t0)
+        return n
+
+    def runs(self, keys: list[bytes], start: int, remote_prefix: int = 0) -> list[TierRun]:
+        """Stored blocks from keys[start]: consecutive runs, each in the fastest tier holding it."""
+        runs: list[TierRun] = []
+        p = start
+        for _ in range(16):
+            if p >= len(keys):
+                break
+            n, name = 0, None
+            for name in ("host", "disk"):
+                tier = self.tiers.get(name)
+                if tier is not None:
+                    n = tier.contains_prefix(keys[p:])
+                    if n:
+                        break
+            if not n and remote_prefix > p:
+                n, name = remote_prefix - p, "remote"
+            if not n:
+                break
+            runs.append(TierRun(name, n))
+            p += n
+        return runs
+
+    # ------------------------------------------------------------------ load
+    def submit_load(self, keys: list[bytes], runs: list[TierRun]) -> Future:
+        """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
+        plan: list[str] = []
+        for run in runs:
+            plan += [run.tier] * run.num_blocks
+        assert len(plan) == len(keys)
+        with self._lock:
+            for name in set(plan):
+                self._inflight[name] += 1
+            self._update_queue_estimates()
+        return self._pool.submit(self._load, keys, plan, time.perf_counter())
+
+    def _load(self, keys: list[bytes], plan: list[str], submitted: float) -> LoadResult:
+        from kvtier.tiers.codec import CodecError, decode
+
+        t_start = time.perf_counter()
+        out: list[Any] = []
+        per_tier: dict[str, int] = {}
+        tier_time: dict[str, float] = {}
+        try:
+            for key, name in zip(keys, plan):
+                t0 = time.perf_counter()
+                tier = self.tiers[name]
+                if name == "host":
+                    kv = tier.get(key)
+                else:
+                    data = tier.get(key)
+                    kv = None
+                    if data is not None:
+                        try:
+                            kv = decode(data, fingerprint=self.fingerprint, key=key)
+                        except CodecError:
+                            tier.report_corrupt(key)
+                        else:
+                            host = self.tiers.get("host")
+                            if host is not None:
+                                host.put(key, kv, self.block_bytes)
+                                self.stats.promotions += 1
+                tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
+                if kv is None:
+                    self.stats.load_failures += 1
+                    break
+                out.append(kv)
+                per_tier[name] = per_tier.get(name, 0) + 1
+        finally:
+            with self._lock:
+                for name in set(plan):
+                    self._inflight[name] -= 1
+                self._update_queue_estimates()
+        host = self.tiers.get("host")
+        if host is not None:
+            host.touch(reversed(keys[:len(out)]))  # keep the head of a restored prefix longest
+        for name, n in per_tier.items():
+            self.cost.tiers[name].observe_read(n * self.block_bytes, tier_time[name])
+        self.stats.loads += 1
+        end = time.perf_counter()
+        for name in per_tier:
+            self.cost.tiers[name].job_s.update(end - t_start)
+        return LoadResult(out, per_tier, end - t_start, t_start - submitted)
+
+    def _update_queue_estimates(self) -> None:
+        workers = max(self.config.io_threads, 1)
+        for name in self.names:
+            job = self.cost.tiers[name].job_s.get(0.0)
+            self.cost.queue_s[name] = self._inflight[name] * job / workers
+
+    # ------------------------------------------------------------------ store
+    def store(self, keys: list[bytes], tensors: list[Any]) -> None:
+        """Write computed blocks down: host now (a reference), disk/remote in the background."""
+        host = self.tiers.get("host")
+        lower = [n for n in ("disk", "remote") if n in self.tiers]
+        if self.config.cache_write_policy == "write_back" and host is not None:
+            lower = []  # host evictions demote them later
+        if host is not None:
+            # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
+            for key, kv in zip(reversed(keys), reversed(tensors)):
+                if key not in host:
+                    host.put(key, kv, self.block_bytes)
+        if lower:
+            self._submit_store(keys, tensors, lower)
+
+    def _on_host_evict(self, key: bytes, kv: Any) -> None:
+        if self.config.cache_write_policy != "write_back" or self._closed:
+            return
+        lower = [n for n in ("disk", "remote") if n in self.tiers]
+        if lower:
+            self.stats.demotions += 1
+            self._submit_store([key], [kv], lower)
+
+    def _submit_store(self, keys: list[bytes], tensors: list[Any], names: list[str]) -> None:
+        with self._lock:
+            if self._pending_stores + len(keys) > self.config.max_pending_stores:
+                self.stats.stores_dropped += len(keys)
+                return
+            self._pending_stores += len(keys)
+        self._pool.submit(self._store, keys, tensors, names)
+
+    def _store(self, keys: list[bytes], tensors: list[Any], names: list[str]) -> None:
+        from kvtier.tiers.codec import encode
+
+        try:
+            for key, kv in zip(keys, tensors):
+                data = None
+                for name in names:
+                    tier = self.tiers[name]
+                    if name == "disk" and tier.contains_prefix([key]):
+                        continue
+                    if data is None:
+                        data = encode(kv, fingerprint=self.fingerprint, key=key,
+                                      compression=self.config.compression)
+                    tier.put(key, data, self.config.remote_ttl_s if name == "remote" else None)
+        except Exception:  # a store is best effort; tiers count their own errors
+            logger.exception("store to %s failed", names)
+        finally:
+            with self._lock:
+                self._pending_stores -= len(keys)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until queued stores are written (tests, shutdown). True if drained."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._pending_stores == 0:
+                    return True
+            time.sleep(0.002)
+        return False
+
+    # ------------------------------------------------------------------ stats / lifecycle
+    def tier_stats(self) -> dict[str, TierStats]:
+        return {name: tier.stats for name, tier in self.tiers.items()}
+
+    def usage(self) -> dict[str, tuple[int, int | None]]:
+        return {name: (tier.usage_bytes, tier.capacity_bytes) for name, tier in self.tiers.items()}
+
+    def set_faults(self, tier: str, config: FaultConfig | None) -> None:
+        self.tiers[tier].faults = config
+
+    def close(self) -> None:
+        self._closed = True
+        self.flush(5.0)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for tier in self.tiers.values():
+            if hasattr(tier, "close") and tier.name != "host":
+                tier.close()
