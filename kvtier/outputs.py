@@ -62,4 +62,6 @@ class RequestOutput:
     """Prompt tokens computed for this request."""
     num_preemptions: int = 0
     restore_decision: str | None = None
+    restore_s: float = 0.0
+    """Seconds spent loading KV from tiers below the device (queue wait included)."""
     """With tiers: 'none' (nothing stored), 'recompute', 'restore' or 'partial'."""

@@ -203,8 +203,7 @@ class EngineCore:
             return []
         if self.tiers is not None:
             self._store_blocks()  # evicted (write-back) blocks, before anything overwrites them
-            for block_id, kv in out.block_loads:
-                self.runner.write_block(block_id, kv)
+            self._write_loads(out)
         t1 = time.perf_counter()
         logits = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -232,6 +231,24 @@ class EngineCore:
         todo = self.kv.take_blocks_to_store()
         if todo:
             self.tiers.store([key for _, key in todo], [self.runner.read_block(b) for b, _ in todo])
+
+    def _write_loads(self, out: SchedulerOutput) -> None:
+        """Copy restored KV into its device blocks; the copy time counts as restore time."""
+        if not out.block_loads:
+            return
+        t0 = time.perf_counter()
+        per_req: dict[str, int] = {}
+        for req_id, block_id, kv in out.block_loads:
+            self.runner.write_block(block_id, kv)
+            per_req[req_id] = per_req.get(req_id, 0) + 1
+        dt = time.perf_counter() - t0
+        total = len(out.block_loads)
+        if dt > 0:
+            self.tiers.cost.h2d.update(total * self.runner.kv_bytes_per_block / dt)
+        for req_id, n in per_req.items():
+            req = self.scheduler.requests.get(req_id)
+            if req is not None:
+                req.restore_s += dt * n / total
 
     def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
         x0 = x1 = 0.0
@@ -366,7 +383,8 @@ class EngineCore:
             request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
             outputs=outs, finished=group.finished, metrics=metrics, num_cached_tokens=cached,
             cached_tokens_by_tier=by_tier, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
-            num_preemptions=group.num_preemptions, restore_decision=head.restore_decision)
+            num_preemptions=group.num_preemptions, restore_decision=head.restore_decision,
+            restore_s=head.restore_s)
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         out = self._output(group)

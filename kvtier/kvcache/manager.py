@@ -306,11 +306,11 @@ class KVCacheManager:
             self._restored_keys.update(restore_keys[:len(tensors)])
         return len(loads)
 
-    def take_loads(self) -> list[tuple[int, object]]:
-        """(block_id, kv) to write into the pool before this step's forward pass."""
-        out: list[tuple[int, object]] = []
-        for loads in self._loads.values():
-            out.extend(loads)
+    def take_loads(self) -> list[tuple[str, int, object]]:
+        """(req_id, block_id, kv) to write into the pool before this step's forward pass."""
+        out: list[tuple[str, int, object]] = []
+        for req_id, loads in self._loads.items():
+            out.extend((req_id, b, kv) for b, kv in loads)
         self._loads.clear()
         return out
 

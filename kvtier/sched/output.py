@@ -53,8 +53,9 @@ class SchedulerOutput:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
-    block_loads: list[tuple[int, Any]] = field(default_factory=list)
-    """(block_id, kv) restored from a tier below: written into the pool before the forward pass."""
+    block_loads: list[tuple[str, int, Any]] = field(default_factory=list)
+    """(req_id, block_id, kv) restored from a tier below: written into the pool before the
+    forward pass."""
 
     @property
     def num_batched_tokens(self) -> int:

@@ -65,6 +65,8 @@ class Request:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     """Prompt tokens not recomputed, by where their KV came from (first admission)."""
     restore_decision: str | None = None
+    restore_s: float = 0.0
+    """Seconds its tier loads took (queue wait included)."""
     tier_keys: list[bytes] | None = None
     """Chained keys of the full blocks of all_token_ids[:-1] (for tier lookups)."""
     remote_lookup: Any = None

@@ -253,6 +253,7 @@ class Scheduler:
             try:
                 result = req.load_future.result()
                 tensors, per_tier = result.tensors, result.per_tier
+                req.restore_s += result.seconds + result.queue_s
             except Exception:  # a broken load is a miss: recompute
                 tensors, per_tier = [], {}
             n = self.kv.finish_restore(req.req_id, req.restore_keys, tensors)
