@@ -217,6 +217,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from kvtier import LLM
+    from kvtier.server.app import ServerConfig, run_server
+
+    config = ServerConfig(host=args.host, port=args.port,
+                          served_model_name=args.served_model_name or args.model,
+                          max_body_bytes=args.max_body_bytes)
+    with LLM(args.model, **args.engine_kwargs) as llm:
+        run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level)
+    return 0
+
+
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="KV-cache-centric LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -245,6 +264,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print cached tokens by tier, restore decision and TTFT to stderr")
     add_engine_args(g)
     g.set_defaults(func=_generate, subparser=g)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
+                       description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
+                       "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.")
+    s.add_argument("--model", required=True, help="Hugging Face model directory")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=_port, default=8000, help="default 8000")
+    s.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id clients send (default: the --model argument)")
+    s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="SIZE",
+                   help="larger request bodies get a 413 (default 4MiB)")
+    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
+                   default="info", help="uvicorn's log level (default info)")
+    add_engine_args(s)
+    s.set_defaults(func=_serve, subparser=s)
     return parser
 
 

@@ -421,6 +421,33 @@ class Tier(ABC):
                     read_s=time.perf_counter() - t0)
         return data
 
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None] | None:
+        """A backend's batched read (one round trip); None when it has none."""
+        return None
+
+    def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        """`get` for several keys; one round trip where the backend batches (Redis)."""
+        if type(self)._get_many is Tier._get_many or len(keys) < 2:
+            return [self.get(key) for key in keys]
+        for key in keys:
+            _check_key(key)
+        if not self._gate.allow():
+            self._count(skipped=1)
+            return [None] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            self._faults.before_op()
+            out = self._get_many(keys)
+            nbytes = sum(len(d) for d in out if d is not None)
+            self._faults.transfer(nbytes)
+        except Exception as exc:
+            self._fail("get_many", exc)
+            return [None] * len(keys)
+        self._gate.record_success()
+        hits = sum(d is not None for d in out)
+        self._count(queries=len(keys), hits=hits, bytes_read=nbytes, read_s=time.perf_counter() - t0)
+        return out
+
     def put(self, key: bytes, payload: bytes, ttl_s: float | None = None) -> bool:
         """Store `payload` under `key` (replacing any entry). True when stored."""
         _check_key(key)

@@ -195,14 +195,19 @@ class TierHierarchy:
         out: list[Any] = []
         per_tier: dict[str, int] = {}
         tier_time: dict[str, float] = {}
+        prefetched: dict[bytes, bytes | None] = {}
         try:
-            for key, name in zip(keys, plan):
+            for i, (key, name) in enumerate(zip(keys, plan)):
                 t0 = time.perf_counter()
                 tier = self.tiers[name]
                 if name == "host":
                     kv = tier.get(key)
                 else:
-                    data = tier.get(key)
+                    if name == "remote" and key not in prefetched:
+                        # one round trip for the next run of remote blocks (up to 32)
+                        batch = [k for k, n in zip(keys[i:i + 32], plan[i:i + 32]) if n == "remote"]
+                        prefetched.update(zip(batch, tier.get_many(batch)))
+                    data = prefetched.pop(key) if key in prefetched else tier.get(key)
                     kv = None
                     if data is not None:
                         try:

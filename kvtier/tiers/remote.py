@@ -203,6 +203,12 @@ class RemoteTier(Tier):
     def _get(self, key: bytes) -> bytes | None:
         return self._redis().get(self._name(key))
 
+    def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        pipe = self._pipeline()  # GET per key: valid across cluster slots
+        for key in keys:
+            pipe.get(self._name(key))
+        return pipe.execute()
+
     def _put(self, key: bytes, payload: bytes, ttl_s: float | None) -> bool:
         ttl_s = self.ttl_s if ttl_s is None else ttl_s
         px = max(1, round(ttl_s * 1000)) if ttl_s is not None else None

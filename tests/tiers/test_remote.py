@@ -250,3 +250,19 @@ def test_cluster_node_killed_mid_run_then_restarted(redis_binary: str, tmp_path)
     finally:
         for node in nodes:
             node.stop()
+
+
+def test_get_many_is_one_batch_with_misses_in_place(redis_server):
+    from kvtier.tiers.remote import RemoteTier
+
+    tier = RemoteTier(redis_server.url, fingerprint=b"g" * 16)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for k in keys[:3]:
+        assert tier.put(k, b"payload-" + k[:1])
+    got = tier.get_many(keys)
+    assert got[:3] == [b"payload-" + k[:1] for k in keys[:3]] and got[3:] == [None, None]
+    st = tier.stats
+    assert st.queries == 5 and st.hits == 3
+    redis_server.kill()
+    assert tier.get_many(keys) == [None] * 5  # a dead server is misses, never an exception
+    tier.close()

@@ -1,0 +1,192 @@
+"""Prometheus metrics: the only module that turns the engine's stats into Prometheus series.
+
+Two sources:
+  * `EngineCollector` reads the engine's stats dataclasses at each scrape (cache usage, prefix
+    cache queries/hits, preemptions, tier bytes and errors, restore decisions, queue lengths);
+  * `ServerMetrics.observe_finished` observes the latency histograms (and counts recomputed
+    tokens) once per request, when it ends, from its final `RequestOutput`.
+
+Names follow vLLM's under the `kvtier:` prefix. Each app has its own `CollectorRegistry`, so
+several apps (tests) live in one process.
+
+    series                                      labels          unit
+    kvtier:kv_cache_usage_perc                  -               fraction of device blocks in use
+    kvtier:host_cache_usage_perc                -               fraction of the host tier's bytes
+    kvtier:disk_cache_usage_perc                -               fraction of the disk tier's bytes
+    kvtier:tier_usage_bytes / tier_capacity_bytes  tier
+    kvtier:prefix_cache_queries_total           tier            tokens looked up in that tier
+    kvtier:prefix_cache_hits_total              tier            tokens found there
+    kvtier:num_preemptions_total                -
+    kvtier:tier_bytes_read_total / _written_total  tier
+    kvtier:tier_errors_total                    tier, kind      failed operations; kind=corrupt
+                                                                counts entries that failed checks
+    kvtier:restore_decisions_total              decision        restore | partial | recompute | none
+    kvtier:restore_seconds                      tier            histogram, per request that restored
+    kvtier:recomputed_tokens_total              -               prompt tokens computed
+    kvtier:time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds
+    kvtier:num_requests_running / _waiting / _loading
+
+Device queries count prompt tokens matched against the device index; a tier's queries count the
+tokens (blocks x block size) asked of it after the device missed, so hits/queries is each tier's
+own hit rate.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.outputs import RequestOutput
+
+PREFIX = "kvtier:"
+
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                 40.0, 50.0, 60.0, 120.0)
+RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0)
+
+
+class EngineCollector(Collector):
+    """Reads `engine` (an EngineCore) at scrape time; never changes it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self.engine
+        kv, sched, tiers = engine.kv, engine.scheduler, engine.tiers
+        bs = kv.block_size
+        tier_stats = tiers.tier_stats() if tiers is not None else {}
+        tier_usage = tiers.usage() if tiers is not None else {}
+
+        yield _gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", kv.usage)
+        for name in ("host", "disk"):
+            used, cap = tier_usage.get(name, (0, None))
+            yield _gauge(f"{name}_cache_usage_perc", f"Fraction of the {name} tier's bytes in use "
+                         "(0..1; 0 when the tier is off).", used / cap if cap else 0.0)
+        usage_b = GaugeMetricFamily(PREFIX + "tier_usage_bytes", "Bytes stored in a tier.", labels=["tier"])
+        cap_b = GaugeMetricFamily(PREFIX + "tier_capacity_bytes", "Capacity of a tier in bytes.", labels=["tier"])
+        for name, (used, cap) in tier_usage.items():
+            usage_b.add_metric([name], used)
+            if cap:
+                cap_b.add_metric([name], cap)
+        yield usage_b
+        yield cap_b
+
+        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up, "
+                                      "by tier (device: all prompts; a tier: after the tiers above missed).",
+                                      labels=["tier"])
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found, by tier.",
+                                   labels=["tier"])
+        queries.add_metric(["device"], kv.stats.queries_tokens)
+        hits.add_metric(["device"], kv.stats.hits_tokens)
+        for name, st in tier_stats.items():
+            queries.add_metric([name], st.lookups * bs)
+            hits.add_metric([name], st.lookup_hits * bs)
+        yield queries
+        yield hits
+
+        yield _counter("num_preemptions", "Requests preempted (their KV recomputed later).",
+                       sched.num_preemptions)
+        read = CounterMetricFamily(PREFIX + "tier_bytes_read", "Bytes read from a tier.", labels=["tier"])
+        written = CounterMetricFamily(PREFIX + "tier_bytes_written", "Bytes written to a tier.", labels=["tier"])
+        errors = CounterMetricFamily(PREFIX + "tier_errors", "Failed tier operations by kind "
+                                     "(kind=corrupt: entries that failed their checks).",
+                                     labels=["tier", "kind"])
+        for name, st in tier_stats.items():
+            read.add_metric([name], st.bytes_read)
+            written.add_metric([name], st.bytes_written)
+            for kind, n in sorted(st.errors.items()):
+                errors.add_metric([name, kind], n)
+            errors.add_metric([name, "corrupt"], st.corrupt)
+        yield read
+        yield written
+        yield errors
+
+        decisions = CounterMetricFamily(PREFIX + "restore_decisions", "Restore-or-recompute "
+                                        "decisions at admission.", labels=["decision"])
+        for kind, n in sorted(_copy(sched.restore_decisions).items()):
+            decisions.add_metric([kind], n)
+        yield decisions
+
+        yield _gauge("num_requests_running", "Sequences running.", len(sched.running))
+        yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting))
+        yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.",
+                     len(sched.loading))
+
+
+class ServerMetrics:
+    """The registry of one app: the engine collector plus per-request histograms."""
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        r = self.registry
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=TTFT_BUCKETS_S, registry=r)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between the steps "
+                             "that gave a request tokens.", buckets=ITL_BUCKETS_S, registry=r)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=E2E_BUCKETS_S, registry=r)
+        self.restore = Histogram(PREFIX + "restore_seconds", "Seconds a request spent restoring "
+                                 "KV from tiers below the device (queue wait included), by the "
+                                 "deepest tier it read.", ["tier"], buckets=RESTORE_BUCKETS_S, registry=r)
+        self.recomputed = Counter(PREFIX + "recomputed_tokens", "Prompt tokens computed rather "
+                                  "than reused.", registry=r)
+        self.requests = Counter(PREFIX + "request_success", "Requests that ended, by finish reason.",
+                                ["finished_reason"], registry=r)
+
+    def observe_finished(self, out: RequestOutput, itl_s: list[float]) -> None:
+        """Called once per request when it ends (on the engine thread)."""
+        m = out.metrics
+        if m.ttft_s is not None:
+            self.ttft.observe(m.ttft_s)
+        for dt in itl_s:
+            self.itl.observe(dt)
+        if m.e2e_s is not None:
+            self.e2e.observe(m.e2e_s)
+        tier = _deepest_tier(out.cached_tokens_by_tier)
+        if tier is not None:
+            self.restore.labels(tier).observe(out.restore_s)
+        self.recomputed.inc(out.num_recomputed_tokens)
+        reason = out.outputs[0].finish_reason if out.outputs else None
+        self.requests.labels(reason or "abort").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+_TIER_ORDER = ("host", "disk", "remote")
+
+
+def _deepest_tier(by_tier: dict[str, int]) -> str | None:
+    deepest = None
+    for name in _TIER_ORDER:
+        if by_tier.get(name):
+            deepest = name
+    return deepest
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _copy(d: dict) -> dict:
+    """A copy of a dict the engine thread may be changing (a resize mid-copy raises; retry)."""
+    for _ in range(10):
+        try:
+            return dict(d)
+        except RuntimeError:
+            continue
+    return {}

@@ -1,0 +1,165 @@
+"""OpenAI request models (pydantic) and the OpenAI error shape.
+
+Requests validate strictly (a string where a number belongs is a 400, not a coercion) and
+ignore fields they do not know, as OpenAI's clients send some. Fields OpenAI has and kvtier
+does not implement are accepted only at their neutral value. kvtier's own fields (vLLM's
+names): `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
+`skip_special_tokens`, `include_stop_str_in_output`, `top_k`, `min_p`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error the client caused (4xx) or the server hit (5xx), in OpenAI's shape."""
+
+    def __init__(self, message: str, status_code: int = 400, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    """A pydantic error as a 400 naming the first offending field."""
+    first = e.errors(include_url=False)[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    # unions report each alternative as a loc element (e.g. 'str', 'list[int]'): keep field path
+    param = ".".join(p for p in loc if not _is_type_name(p)) or None
+    msg = first.get("msg", "invalid value")
+    text = f"{param}: {msg}" if param else msg
+    if e.error_count() > 1:
+        text += f" (and {e.error_count() - 1} more errors)"
+    return APIError(text, 400, param=param)
+
+
+def _is_type_name(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or "[" in part or part.startswith(
+        ("function-", "constrained-", "json-or-python"))
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    n: int = 1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: Optional[list[int]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # kvtier / vLLM extras
+    cache_salt: Optional[str] = None
+    priority: int = 0
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # OpenAI fields accepted at their neutral value only
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+    def unsupported(self) -> list[str]:
+        """Fields given with a value kvtier does not implement."""
+        bad = []
+        if self.presence_penalty:
+            bad.append("presence_penalty")
+        if self.frequency_penalty:
+            bad.append("frequency_penalty")
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+
+PromptInput = Union[str, list[int], list[str], list[list[int]]]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptInput
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.echo:
+            bad.append("echo")
+        if self.suffix:
+            bad.append("suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            bad.append("best_of")
+        return bad
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message; fields beyond role/content/name (tool calls, ...) pass through to the
+    template."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def for_template(self) -> dict[str, Any]:
+        msg = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            msg["content"] = "".join(p.text for p in self.content)
+        elif self.content is None:
+            msg["content"] = ""
+        return msg
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    response_format: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        if self.tools:
+            bad.append("tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            bad.append("tool_choice")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            bad.append("response_format")
+        return bad

@@ -1,0 +1,164 @@
+"""OpenAI response bodies and SSE chunks from engine outputs (plain dicts, JSON-ready).
+
+Extras beyond OpenAI's shape: `usage.prompt_tokens_details.cached_tokens_by_tier` and a
+top-level `kvtier` object (restore decision, recomputed tokens, restore and first-token time).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from kvtier.outputs import CompletionOutput, RequestOutput
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event (`data: ...` and a blank line)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason  # the engine already speaks OpenAI's words: 'stop', 'length' (and 'abort')
+
+
+def usage(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    by_tier: dict[str, int] = {}
+    for o in outs:
+        for tier, n in o.cached_tokens_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + n
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {
+            "cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "cached_tokens_by_tier": by_tier,
+        },
+    }
+
+
+def kvtier_extras(outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """What the cache did for this request. With several prompts: `restore_decision` and
+    `ttft_s` are the first prompt's, counts are summed, and `prompts` lists each."""
+    first = outs[0]
+    extras: dict[str, Any] = {
+        "restore_decision": first.restore_decision,
+        "num_recomputed_tokens": sum(o.num_recomputed_tokens for o in outs),
+        "restore_s": sum(o.restore_s for o in outs),
+        "num_preemptions": sum(o.num_preemptions for o in outs),
+        "ttft_s": first.metrics.ttft_s,
+    }
+    if len(outs) > 1:
+        extras["prompts"] = [{
+            "restore_decision": o.restore_decision,
+            "num_cached_tokens": o.num_cached_tokens,
+            "cached_tokens_by_tier": o.cached_tokens_by_tier,
+            "num_recomputed_tokens": o.num_recomputed_tokens,
+            "restore_s": o.restore_s,
+            "ttft_s": o.metrics.ttft_s,
+        } for o in outs]
+    return extras
+
+
+# ------------------------------------------------------------------ logprobs
+class TokenText:
+    """Token id -> its text, for logprobs (special tokens shown)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(c: CompletionOutput, start: int, text_offset: int,
+                        token_text: TokenText) -> dict[str, Any] | None:
+    """Legacy completions logprobs of tokens[start:]; text offsets count from `text_offset`."""
+    if c.logprobs is None:
+        return None
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = text_offset
+    for tid, top in zip(c.token_ids[start:], c.logprobs[start:]):
+        s = token_text(tid)
+        tokens.append(s)
+        lps.append(top.get(tid))
+        tops.append({token_text(t): lp for t, lp in top.items()})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, start: int, num_top: int,
+                  token_text: TokenText) -> dict[str, Any] | None:
+    if c.logprobs is None:
+        return None
+    content = []
+    for tid, top in zip(c.token_ids[start:], c.logprobs[start:]):
+        s = token_text(tid)
+        ranked = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
+        content.append({
+            "token": s, "logprob": top.get(tid), "bytes": list(s.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": lp,
+                              "bytes": list(token_text(t).encode("utf-8"))} for t, lp in ranked],
+        })
+    return {"content": content}
+
+
+# ------------------------------------------------------------------ bodies
+def completion_body(request_id: str, model: str, created: int, outs: Sequence[RequestOutput], n: int,
+                    token_text: TokenText) -> dict[str, Any]:
+    choices = []
+    for p, o in enumerate(outs):
+        for c in o.outputs:
+            choices.append({"index": p * n + c.index, "text": c.text,
+                            "logprobs": completion_logprobs(c, 0, 0, token_text),
+                            "finish_reason": finish_reason(c.finish_reason),
+                            "stop_reason": c.stop_reason})
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "usage": usage(outs), "kvtier": kvtier_extras(outs)}
+
+
+def chat_body(request_id: str, model: str, created: int, out: RequestOutput, num_top: int,
+              token_text: TokenText) -> dict[str, Any]:
+    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c, 0, num_top, token_text),
+                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
+               for c in out.outputs]
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": choices, "usage": usage([out]), "kvtier": kvtier_extras([out])}
+
+
+def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
+                     reason: str | None, logprobs: dict[str, Any] | None = None,
+                     stop_reason: int | str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
+                              "finish_reason": finish_reason(reason)}
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any],
+               reason: str | None, logprobs: dict[str, Any] | None = None,
+               stop_reason: int | str | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
+                              "finish_reason": finish_reason(reason)}
+    if reason is not None:
+        choice["stop_reason"] = stop_reason
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(request_id: str, model: str, created: int, obj: str,
+                outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(outs), "kvtier": kvtier_extras(outs)}

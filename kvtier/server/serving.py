@@ -1,0 +1,362 @@
+"""OpenAI requests -> engine requests, and their outputs back as bodies or SSE streams.
+
+Every handler follows one path::
+
+    check model and fields -> prompts (token ids) -> SamplingParams -> engine.add (all or none)
+      -> stream:     SSE chunks as outputs arrive (abort on disconnect: the response's cleanup)
+      -> non-stream: wait for the final outputs, racing the client's disconnect
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kvtier.outputs import RequestOutput
+from kvtier.sampling_params import SamplingParams
+from kvtier.server import responses as R
+from kvtier.server.async_engine import (AsyncEngine, EngineDeadError, EngineStepError, RequestSpec,
+                                        RequestStream)
+from kvtier.server.detokenizer import StreamText
+from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                    _SamplingFields)
+from kvtier.server.tenancy import Tenant
+
+logger = logging.getLogger("kvtier.server")
+
+Prompt = tuple[str | None, list[int]]
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.token_text = R.TokenText(tokenizer)
+
+    # ------------------------------------------------------------------ /v1/completions
+    async def completions(self, req: CompletionRequest, tenant: Tenant, raw: Request) -> Response:
+        self._check_common(req)
+        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(
+            len(p) for p in req.prompt if isinstance(p, str))
+        prompts = await _off_loop(self._completion_prompts, req.prompt, chars=chars)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        params = [self._params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
+        streams = await self._add(request_id, prompts, params, req, tenant)
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self._stream_completion(request_id, created, streams, params, include_usage)
+            return _streaming(gen, self.engine, streams)
+        outs = await self._wait_final(streams, raw)
+        return JSONResponse(R.completion_body(request_id, self.model_name, created, outs, req.n,
+                                              self.token_text))
+
+    def _completion_prompts(self, prompt: Any) -> list[Prompt]:
+        if isinstance(prompt, str):
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError("prompt is empty; give a string, a list of token ids, or a list of those",
+                           param="prompt")
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                out.append((p, self._encode(p)))
+            else:
+                if not p:
+                    raise APIError("a prompt is an empty list of token ids", param="prompt")
+                out.append((None, list(p)))
+        return out
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer (no tokenizer.json); send token ids",
+                           param="prompt")
+        return self.tokenizer.encode(text)
+
+    async def _stream_completion(self, request_id: str, created: int, streams: list[RequestStream],
+                                 params: list[SamplingParams], include_usage: bool) -> AsyncIterator[str]:
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        texts: dict[int, StreamText] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        async for p, out in _merged(streams):
+            sp = params[p]
+            for c in out.outputs:
+                idx = p * sp.n + c.index
+                if idx in done:
+                    continue
+                st = texts.get(idx)
+                if st is None:
+                    st = texts[idx] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+                delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
+                start = sent_tokens.get(idx, 0)
+                new_tokens = len(c.token_ids) > start
+                if not (delta or c.finished or (new_tokens and sp.logprobs is not None)):
+                    continue
+                lp = R.completion_logprobs(c, start, len(st.sent) - len(delta), self.token_text)
+                sent_tokens[idx] = len(c.token_ids)
+                if c.finished:
+                    done.add(idx)
+                yield R.sse(R.completion_chunk(request_id, self.model_name, created, idx, delta,
+                                               c.finish_reason, lp, c.stop_reason))
+            if out.finished:
+                finals[p] = out
+        if include_usage:
+            yield R.sse(R.usage_chunk(request_id, self.model_name, created, "text_completion",
+                                      [f for f in finals if f is not None]))
+        yield R.SSE_DONE
+
+    # ------------------------------------------------------------------ /v1/chat/completions
+    async def chat(self, req: ChatCompletionRequest, tenant: Tenant, raw: Request) -> Response:
+        self._check_common(req)
+        if self.tokenizer is None:
+            raise APIError("chat needs a tokenizer with a chat template; this model has no "
+                           "tokenizer.json", param="messages")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+        ids = await _off_loop(self._encode_chat, req, chars=chars)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        num_top = req.top_logprobs or 0
+        params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None)]
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = await self._add(request_id, [(None, ids)], params, req, tenant, prompt_param="messages")
+        created = int(time.time())
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            gen = self._stream_chat(request_id, created, streams[0], params[0], num_top, include_usage)
+            return _streaming(gen, self.engine, streams)
+        outs = await self._wait_final(streams, raw)
+        return JSONResponse(R.chat_body(request_id, self.model_name, created, outs[0], num_top,
+                                        self.token_text))
+
+    def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        from jinja2 import TemplateError
+
+        messages = [m.for_template() for m in req.messages]
+        try:
+            return self.tokenizer.encode_chat(messages, req.add_generation_prompt,
+                                              **(req.chat_template_kwargs or {}))
+        except TemplateError as e:
+            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+        except TypeError as e:  # chat_template_kwargs clashing with the template's arguments
+            raise APIError(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+
+    async def _stream_chat(self, request_id: str, created: int, stream: RequestStream,
+                           sp: SamplingParams, num_top: int, include_usage: bool) -> AsyncIterator[str]:
+        texts: dict[int, StreamText] = {}
+        sent_tokens: dict[int, int] = {}
+        done: set[int] = set()
+        final: RequestOutput | None = None
+        for i in range(sp.n):  # the role first, as OpenAI does
+            texts[i] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+            yield R.sse(R.chat_chunk(request_id, self.model_name, created, i,
+                                     {"role": "assistant", "content": ""}, None))
+        async for _, out in _merged([stream]):
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                st = texts[c.index]
+                delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
+                start = sent_tokens.get(c.index, 0)
+                new_tokens = len(c.token_ids) > start
+                if not (delta or c.finished or (new_tokens and sp.logprobs is not None)):
+                    continue
+                lp = R.chat_logprobs(c, start, num_top, self.token_text)
+                sent_tokens[c.index] = len(c.token_ids)
+                if c.finished:
+                    done.add(c.index)
+                yield R.sse(R.chat_chunk(request_id, self.model_name, created, c.index,
+                                         {"content": delta} if delta else {}, c.finish_reason, lp,
+                                         c.stop_reason))
+            if out.finished:
+                final = out
+        if include_usage and final is not None:
+            yield R.sse(R.usage_chunk(request_id, self.model_name, created, "chat.completion.chunk",
+                                      [final]))
+        yield R.SSE_DONE
+
+    # ------------------------------------------------------------------ shared
+    def _check_common(self, req: _SamplingFields) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(f"the model {req.model!r} does not exist; this server serves "
+                           f"{self.model_name!r} (see /v1/models)", 404, param="model",
+                           code="model_not_found")
+        bad = req.unsupported()
+        if bad:
+            raise APIError(f"{bad[0]} is not supported by kvtier; leave it out (or at its default)",
+                           param=bad[0])
+
+    def _params(self, req: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
+                logprobs: int | None) -> SamplingParams:
+        if max_tokens is None:  # as much as the context allows
+            max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+        try:
+            return SamplingParams(
+                n=req.n, max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=0 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p,
+                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens,
+                skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
+        except ValueError as e:
+            raise _value_error(e) from None
+
+    async def _add(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams],
+                   req: _SamplingFields, tenant: Tenant, prompt_param: str = "prompt") -> list[RequestStream]:
+        salt = tenant.effective_salt(req.cache_salt)
+        specs = [RequestSpec(f"{request_id}-{p}", ids, dataclasses.replace(sp), cache_salt=salt,
+                             priority=req.priority, prompt=text)
+                 for p, ((text, ids), sp) in enumerate(zip(prompts, params))]
+        try:
+            return await self.engine.add(specs)
+        except ValueError as e:
+            raise _value_error(e, prompt_param) from None
+        except EngineDeadError as e:
+            raise APIError(str(e), 503, type="server_error") from None
+
+    async def _wait_final(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+        """The final outputs; aborts the requests if the client disconnects first."""
+        async def final(stream: RequestStream) -> RequestOutput:
+            while True:
+                out = await stream.next()
+                if out.finished:
+                    return out
+
+        async def finals() -> list[RequestOutput]:
+            return [await final(s) for s in streams]  # each stream buffers: order is free
+
+        work = asyncio.ensure_future(finals())
+        gone = asyncio.ensure_future(_wait_disconnect(raw))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ClientGone()
+            try:
+                return work.result()
+            except EngineStepError as e:
+                raise APIError(str(e), 500, type="server_error") from None
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            _abort_unfinished(self.engine, streams)
+
+
+_INLINE_CHARS = 16 << 10
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any, chars: int) -> Any:
+    """fn(*args) (tokenization): inline when small, else on a worker thread, so a long prompt
+    does not stall the event loop (and every stream it serves)."""
+    if chars <= _INLINE_CHARS:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready (nobody reads the answer)."""
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as they arrive, until all finished."""
+    if len(streams) == 1:
+        while True:
+            out = await streams[0].next()
+            yield 0, out
+            if out.finished:
+                return
+    tasks: dict[asyncio.Task, int] = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=tasks.__getitem__):
+                i = tasks.pop(task)
+                out = task.result()
+                yield i, out
+                if not out.finished:
+                    tasks[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+    for s in streams:
+        if not s.finished:
+            engine.abort(s.request_id)
+
+
+def _streaming(gen: AsyncIterator[str], engine: AsyncEngine, streams: list[RequestStream]) -> Response:
+    return _CleanupStreamingResponse(gen, cleanup=lambda: _abort_unfinished(engine, streams),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+class _CleanupStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs `cleanup` however it ends: done, client gone, cancelled.
+    (The body generator's own `finally` runs only when the generator is finalised.)"""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(_errors_as_events(content), **kwargs)
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
+async def _errors_as_events(content: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once the 200 is sent, an engine failure can only be reported in the stream."""
+    try:
+        async for item in content:
+            yield item
+    except (EngineStepError, EngineDeadError) as e:
+        yield R.sse(APIError(str(e), 500, type="server_error").body())
+        yield R.SSE_DONE
+
+
+_PARAM_NAMES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "min_tokens",
+                "stop", "prompt", "cache_salt", "token id", "request id")
+
+
+def _value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
+    """An engine or SamplingParams ValueError as a 400; `param` guessed from the message."""
+    msg = str(e)
+    param = next((p for p in _PARAM_NAMES if msg.startswith(p + " ") or msg.startswith(p + ":")), None)
+    if param in ("token id", "prompt"):
+        param = prompt_param
+    elif param == "request id":
+        param = None
+    code = None
+    if "context" in msg and ("exceeds" in msg or "tokens; this model" in msg):
+        code, param = "context_length_exceeded", prompt_param
+    if param is None and msg.startswith("the prompt"):
+        param = prompt_param
+    return APIError(msg, 400, param=param, code=code)

@@ -1,0 +1,100 @@
+"""Helpers of the server tests: start and stop a real `kvtier serve` subprocess, read /metrics."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 4
+NUM_DEVICE_BLOCKS = 128
+MAX_MODEL_LEN = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_idle_clean(self, timeout_s: float = 30.0) -> dict:
+        """POST /admin/check_integrity: the engine's invariants hold and no block is in use."""
+        r = httpx.post(f"{self.url}/admin/check_integrity", timeout=timeout_s)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["ok"] is True
+        assert body["num_unfinished"] == 0
+        assert body["kv_cache_usage_perc"] == 0.0 and body["num_free_blocks"] == body["num_blocks"]
+        return body
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test-key", max_retries=0,
+                             timeout=kwargs.pop("timeout", 60.0), **kwargs)
+
+
+def start_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: float = 120.0) -> Server:
+    port = free_port()
+    log_path = log_dir / f"serve-{port}.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
+           "--block-size", str(BLOCK_SIZE), "--log-level", "warning", *flags]
+    if not any(f in flags for f in ("--num-device-blocks", "--kv-cache-bytes")):
+        cmd += ["--num-device-blocks", str(NUM_DEVICE_BLOCKS)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvtier serve exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    stop_server(server)
+    raise RuntimeError(f"kvtier serve did not become healthy in {ready_timeout_s} s:\n{server.log()}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait(timeout=5)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", timeout=10)
+    assert r.status_code == 200
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

@@ -1,0 +1,91 @@
+"""Bad input gets a 4xx with OpenAI's error body, no stack trace and no leaked blocks, and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from serverutil import MAX_MODEL_LEN, MODEL_NAME
+
+OK_COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+OK_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+# (name, path, body (dict, or raw bytes), expected status, expected param or None)
+CASES = [
+    ("malformed json", "/v1/completions", b'{"prompt": "hi",', 400, None),
+    ("body not an object", "/v1/completions", b'["hi"]', 400, None),
+    ("prompt wrong type", "/v1/completions", {**OK_COMPLETION, "prompt": 5}, 400, "prompt"),
+    ("prompt missing", "/v1/completions", {"model": MODEL_NAME}, 400, "prompt"),
+    ("max_tokens wrong type", "/v1/completions", {**OK_COMPLETION, "max_tokens": "2"}, 400, "max_tokens"),
+    ("max_tokens bool", "/v1/completions", {**OK_COMPLETION, "max_tokens": True}, 400, "max_tokens"),
+    ("temperature wrong type", "/v1/completions", {**OK_COMPLETION, "temperature": "hot"}, 400, "temperature"),
+    ("stream wrong type", "/v1/completions", {**OK_COMPLETION, "stream": "yes"}, 400, "stream"),
+    ("prompt too long", "/v1/completions", {**OK_COMPLETION, "prompt": "x" * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
+    ("prompt + max_tokens too long", "/v1/completions", {**OK_COMPLETION, "prompt": "x" * 100,
+                                                         "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),
+    ("max_tokens zero", "/v1/completions", {**OK_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {**OK_COMPLETION, "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature negative", "/v1/completions", {**OK_COMPLETION, "temperature": -0.5}, 400, "temperature"),
+    ("temperature huge", "/v1/completions", {**OK_COMPLETION, "temperature": 1e9}, 400, "temperature"),
+    ("top_p zero", "/v1/completions", {**OK_COMPLETION, "top_p": 0.0}, 400, "top_p"),
+    ("n too large", "/v1/completions", {**OK_COMPLETION, "n": 100000}, 400, "n"),
+    ("n zero", "/v1/completions", {**OK_COMPLETION, "n": 0}, 400, "n"),
+    ("empty prompt list", "/v1/completions", {**OK_COMPLETION, "prompt": []}, 400, "prompt"),
+    ("token id outside vocab", "/v1/completions", {**OK_COMPLETION, "prompt": [1, 999999]}, 400, "prompt"),
+    ("one bad prompt of a batch", "/v1/completions", {**OK_COMPLETION, "prompt": [[1, 2], [1, 999999]]}, 400, "prompt"),
+    ("unsupported penalty", "/v1/completions", {**OK_COMPLETION, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("echo", "/v1/completions", {**OK_COMPLETION, "echo": True}, 400, "echo"),
+    ("unknown model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-9"}, 404, "model"),
+    ("empty messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
+    ("messages wrong type", "/v1/chat/completions", {**OK_CHAT, "messages": "hi"}, 400, "messages"),
+    ("message without role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    ("chat bad temperature", "/v1/chat/completions", {**OK_CHAT, "temperature": 101}, 400, "temperature"),
+    ("chat unknown model", "/v1/chat/completions", {**OK_CHAT, "model": "nope"}, 404, "model"),
+    ("chat stream too long", "/v1/chat/completions", {**OK_CHAT, "stream": True,
+                                                      "messages": [{"role": "user", "content": "y" * 400}]}, 400, "messages"),
+    ("oversized body", "/v1/completions", {**OK_COMPLETION, "prompt": "z" * (100 << 10)}, 413, None),
+]
+
+
+def post(url: str, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=30)
+
+
+@pytest.mark.parametrize("name,path,body,status,param", CASES, ids=[c[0].replace(" ", "_") for c in CASES])
+def test_bad_input_is_a_4xx_with_an_error_body(server, name, path, body, status, param):
+    r = post(server.url, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in r.text
+    assert err["param"] == param
+    # still serving, nothing leaked
+    assert post(server.url, "/v1/completions", OK_COMPLETION).status_code == 200
+
+
+def test_unknown_route_and_method(server):
+    r = httpx.get(server.url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_openai_client_raises_typed_errors(server):
+    import openai
+
+    client = server.openai()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_no_leaks_after_errors(server):
+    body = server.check_idle_clean()
+    assert body["num_free_blocks"] == body["num_blocks"]
+    assert "Traceback" not in server.log()

@@ -1,0 +1,80 @@
+"""The Prometheus collector in process: per-app registries, and tier series that follow what the
+engine did (host tier hits and bytes, restore decisions, restore seconds by tier)."""
+
+from __future__ import annotations
+
+import random
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import LLM, SamplingParams
+from kvtier.server.app import ServerConfig, build_app
+from kvtier.server.metrics import ServerMetrics
+
+SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def parse(text: bytes) -> dict:
+    out = {}
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def prompts(seed: int, n: int, length: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 250) for _ in range(length)] for _ in range(n)]
+
+
+def test_each_app_has_its_own_registry(server_model_dir):
+    a = LLM(str(server_model_dir), dtype="float32", num_device_blocks=32, block_size=4)
+    b = LLM(str(server_model_dir), dtype="float32", num_device_blocks=48, block_size=4)
+    apps = [build_app(llm.engine, llm.tokenizer, ServerConfig()) for llm in (a, b, a)]
+    a.generate(prompts(0, 1), SP)
+    values = [parse(app.state.metrics.render()) for app in apps]
+    q = ("kvtier:prefix_cache_queries_total", (("tier", "device"),))
+    assert values[0][q] == values[2][q] == 40 and values[1][q] == 0
+
+
+def test_tier_series_follow_the_engine(server_model_dir):
+    llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=24, block_size=4,
+              host_cache_bytes=16 << 20, restore_policy="always")
+    metrics = ServerMetrics(llm.engine)
+    first = prompts(1, 1)[0]
+    outs = llm.generate(first, SP)
+    outs += llm.generate(prompts(2, 3), SP)  # pushes `first` out of the device pool
+    again = llm.generate(first, SP)[0]
+    assert again.cached_tokens_by_tier.get("host", 0) > 0 and again.restore_decision == "restore"
+    for out in outs + [again]:
+        metrics.observe_finished(out, [0.01] * 3)
+    m = parse(metrics.render())
+
+    def get(name, **labels):
+        return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert get("kvtier:prefix_cache_hits_total", tier="host") >= again.cached_tokens_by_tier["host"]
+    assert get("kvtier:prefix_cache_queries_total", tier="host") >= get("kvtier:prefix_cache_hits_total", tier="host")
+    assert get("kvtier:tier_bytes_written_total", tier="host") > 0
+    assert get("kvtier:tier_bytes_read_total", tier="host") >= 0
+    assert get("kvtier:restore_decisions_total", decision="restore") >= 1
+    assert get("kvtier:restore_seconds_count", tier="host") == 1
+    assert 0 < get("kvtier:host_cache_usage_perc") <= 1
+    assert get("kvtier:tier_errors_total", kind="corrupt", tier="host") == 0
+    assert get("kvtier:inter_token_latency_seconds_count") == 3 * 5
+    assert get("kvtier:recomputed_tokens_total") == sum(o.num_recomputed_tokens for o in outs + [again])
+    llm.check_integrity()
+    llm.close()
+
+
+def test_grafana_dashboard_uses_exported_series(server_model_dir):
+    import json
+    import re
+    from pathlib import Path
+
+    llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=16, block_size=4)
+    families = {f.name for f in ServerMetrics(llm.engine).registry.collect()}
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-kvtier.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs for m in re.findall(r"kvtier:[a-z0-9_]+", e)}
+    assert used and used <= families, used - families
