@@ -221,11 +221,21 @@ def _serve(args: argparse.Namespace) -> int:
     from kvtier import LLM
     from kvtier.server.app import ServerConfig, run_server
 
+    from kvtier.server.request_log import RequestLog
+    from kvtier.server.tenancy import ApiKeyResolver
+
     config = ServerConfig(host=args.host, port=args.port,
                           served_model_name=args.served_model_name or args.model,
                           max_body_bytes=args.max_body_bytes)
-    with LLM(args.model, **args.engine_kwargs) as llm:
-        run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level)
+    tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
+    log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
+    try:
+        with LLM(args.model, **args.engine_kwargs) as llm:
+            run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants,
+                       request_log=log)
+    finally:
+        if log is not None:
+            log.close()
     return 0
 
 
@@ -277,6 +287,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get a 413 (default 4MiB)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info", help="uvicorn's log level (default info)")
+    s.add_argument("--api-keys", default=None, metavar="FILE",
+                   help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
+                   "need a listed key; each tenant's KV is isolated (its own cache salt)")
+    s.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one JSON line per finished request (token ids, timestamps, tenant "
+                   "hash, cached tokens by tier; no text unless --request-log-text)")
+    s.add_argument("--request-log-text", action="store_true", help="also log prompt and output text")
     add_engine_args(s)
     s.set_defaults(func=_serve, subparser=s)
     return parser

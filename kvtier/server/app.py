@@ -48,12 +48,19 @@ class ServerConfig:
 
 
 def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
-              tenants: TenantResolver | None = None) -> FastAPI:
+              tenants: TenantResolver | None = None, request_log: Any = None) -> FastAPI:
     """An app serving `engine` (an EngineCore, owned by the app's engine thread from startup
-    until shutdown; the caller closes it afterwards)."""
+    until shutdown; the caller closes it afterwards). `request_log`: a RequestLog or None."""
     metrics = ServerMetrics(engine)
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
-    serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, engine.max_model_len)
+
+    def on_finished(out: Any, itl_s: list[float]) -> None:
+        metrics.observe_finished(out, itl_s)
+        if request_log is not None:
+            request_log.write(out, itl_s)
+
+    async_engine = AsyncEngine(engine, on_finished=on_finished)
+    serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, engine.max_model_len,
+                            request_log=request_log)
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
@@ -108,8 +115,12 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/check_integrity")
-    async def check_integrity() -> Response:
-        """Runs the engine's invariant checks once it is idle (for load tests)."""
+    async def check_integrity(request: Request) -> Response:
+        """Runs the engine's invariant checks once it is idle (for load tests). With API keys,
+        only an admin key may call it."""
+        if not isinstance(resolver, SingleTenantResolver) and not tenant_of(request).admin:
+            raise APIError("this endpoint needs an admin API key", 403, type="permission_error",
+                           code="forbidden")
         def check(core: Any) -> dict[str, Any]:
             core.check_integrity()
             return {"ok": True, "kv_cache_usage_perc": core.kv.usage,
@@ -187,10 +198,11 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(APIError("internal server error", 500, type="server_error").body(), 500)
 
 
-def run_server(engine: Any, tokenizer: Any, config: ServerConfig, log_level: str = "info") -> None:
+def run_server(engine: Any, tokenizer: Any, config: ServerConfig, log_level: str = "info",
+               tenants: TenantResolver | None = None, request_log: Any = None) -> None:
     """Serve until interrupted (uvicorn; one process, one engine thread)."""
     import uvicorn
 
-    app = build_app(engine, tokenizer, config)
+    app = build_app(engine, tokenizer, config, tenants=tenants, request_log=request_log)
     uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
                 timeout_graceful_shutdown=5)

@@ -28,7 +28,7 @@ from kvtier.server.async_engine import (AsyncEngine, EngineDeadError, EngineStep
 from kvtier.server.detokenizer import StreamText
 from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     _SamplingFields)
-from kvtier.server.tenancy import Tenant
+from kvtier.server.tenancy import Tenant, tenant_hash
 
 logger = logging.getLogger("kvtier.server")
 
@@ -36,8 +36,10 @@ Prompt = tuple[str | None, list[int]]
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int,
+                 request_log: Any = None) -> None:
         self.engine = engine
+        self.request_log = request_log
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -225,6 +227,10 @@ class OpenAIServing:
         specs = [RequestSpec(f"{request_id}-{p}", ids, dataclasses.replace(sp), cache_salt=salt,
                              priority=req.priority, prompt=text)
                  for p, ((text, ids), sp) in enumerate(zip(prompts, params))]
+        if self.request_log is not None:
+            th = tenant_hash(tenant.name)
+            for spec in specs:
+                self.request_log.register(spec.request_id, th)
         try:
             return await self.engine.add(specs)
         except ValueError as e:

@@ -17,6 +17,8 @@ class Tenant:
     name: str
     cache_salt: str | None = None
     """Mixed into every block key of this tenant's requests; None: the shared, unsalted space."""
+    admin: bool = False
+    """May act on other tenants (cache purge, integrity checks)."""
 
     def effective_salt(self, request_salt: str | None) -> str | None:
         """The salt a request runs with: the tenant's, narrowed by the request's own
@@ -56,3 +58,62 @@ def api_key_from_header(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not key.strip():
         return None
     return key.strip()
+
+
+def tenant_salt(name: str) -> str:
+    """The cache salt of a named tenant (hashed into every block key's root)."""
+    return f"tenant:{name}"
+
+
+def tenant_hash(name: str) -> str:
+    """A stable, non-reversible id for logs and metrics."""
+    import hashlib
+
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()[:16]
+
+
+class ApiKeyResolver:
+    """API keys from a JSON file mapped to tenants; any other key is refused (401).
+
+        {"keys": {"sk-acme-1": "acme",
+                  "sk-ops": {"tenant": "ops", "admin": true}}}
+
+    Each tenant gets its own cache salt, so the same prompt from two tenants never shares KV
+    (no timing side channel); a request's `cache_salt` can only subdivide its tenant's space.
+    """
+
+    def __init__(self, keys: dict[str, Tenant]) -> None:
+        if not keys:
+            raise ValueError("the API key file names no keys")
+        self._keys = dict(keys)
+
+    @classmethod
+    def from_file(cls, path: str) -> "ApiKeyResolver":
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ValueError(f"cannot read the API key file {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the API key file {path} is not valid JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
+            raise ValueError(f"the API key file {path} needs a 'keys' object: {{\"keys\": {{\"KEY\": \"TENANT\"}}}}")
+        keys: dict[str, Tenant] = {}
+        for key, spec in data["keys"].items():
+            if isinstance(spec, str):
+                spec = {"tenant": spec}
+            if not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str) or not spec["tenant"]:
+                raise ValueError(f"API key {key[:6]}...: give a tenant name (a string or {{\"tenant\": NAME}})")
+            name = spec["tenant"]
+            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)))
+        return cls(keys)
+
+    def resolve(self, api_key: str | None) -> Tenant:
+        if api_key is None:
+            raise PermissionError("missing API key: send 'Authorization: Bearer KEY'")
+        tenant = self._keys.get(api_key)
+        if tenant is None:
+            raise PermissionError("invalid API key")
+        return tenant
