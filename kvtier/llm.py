@@ -33,6 +33,7 @@ class LLM:
                  disk_cache_bytes: int | None = None, remote_cache_url: str | None = None,
                  remote_ttl_s: float | None = None, cache_write_policy: str = "write_through",
                  cache_compression: str | None = None, restore_policy: str = "cost",
+                 kv_key_dir: str | None = None,
                  tier_faults: dict[str, str] | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
@@ -48,6 +49,7 @@ class LLM:
                              disk_cache_bytes=disk_cache_bytes, remote_cache_url=remote_cache_url,
                              remote_ttl_s=remote_ttl_s, cache_write_policy=cache_write_policy,
                              compression=cache_compression, restore_policy=restore_policy,
+                             key_dir=kv_key_dir,
                              faults=tuple(sorted((tier_faults or {}).items()))),
         )
         tok = None

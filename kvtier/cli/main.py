@@ -151,13 +151,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
     t.add_argument("--tier-faults", type=_tier_fault, action="append", default=None, metavar="TIER=SPEC",
                    help="inject faults into a tier, e.g. disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1 "
                         "(repeatable, one per tier)")
+    t.add_argument("--kv-key-dir", default=None, metavar="DIR",
+                   help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR")
 
 
 ENGINE_KEYS = ("dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
                "scheduling_policy")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
-             "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults")
+             "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults", "kv_key_dir")
 
 
 def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:

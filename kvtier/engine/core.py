@@ -64,6 +64,7 @@ class _Group:
     finish: list[str | None] = field(default_factory=list)
     stop_reasons: list[int | str | None] = field(default_factory=list)
     num_preemptions: int = 0
+    tenant: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -113,7 +114,7 @@ class EngineCore:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None,
                     priority: int = 0, prompt: str | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, tenant: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
         ids = self._check_prompt(prompt_token_ids)
@@ -129,6 +130,7 @@ class EngineCore:
             raise ValueError("cache_salt must be a string")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = _Group(request_id, prompt, ids, params, arrival)
+        group.tenant = tenant
         req = self._new_seq(group, 0, ids, cache_salt, priority, arrival)
         if self.tiers is not None and self.tiers.has_remote:
             bs = self.kv.block_size
@@ -161,7 +163,8 @@ class EngineCore:
                       root_key=root_key(self.runner.fingerprint, cache_salt),
                       eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
                       priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                      parent_id=parent_id, sample_index=index, all_token_ids=list(tokens))
+                      parent_id=parent_id, sample_index=index, all_token_ids=list(tokens),
+                      tenant=group.tenant)
         if sp.seed is not None:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
         group.seqs.append(req)
@@ -230,7 +233,8 @@ class EngineCore:
     def _store_blocks(self) -> None:
         todo = self.kv.take_blocks_to_store()
         if todo:
-            self.tiers.store([key for _, key in todo], [self.runner.read_block(b) for b, _ in todo])
+            self.tiers.store([key for _, key, _ in todo], [self.runner.read_block(b) for b, _, _ in todo],
+                             [owner for _, _, owner in todo])
 
     def _write_loads(self, out: SchedulerOutput) -> None:
         """Copy restored KV into its device blocks; the copy time counts as restore time."""

@@ -42,8 +42,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self.index = index
         self.num_evicted_blocks = 0
-        self.eviction_log: list[tuple[int, BlockKey]] | None = None
-        """When a list, every eviction appends (block_id, key): write-back saves the KV first."""
+        self.eviction_log: list[tuple[int, BlockKey, str | None]] | None = None
+        """When a list, every eviction appends (block_id, key, owner): write-back saves the KV first."""
 
     # ------------------------------------------------------------------ counts
     @property
@@ -77,7 +77,7 @@ class BlockPool:
                     raise NoFreeBlocksError("no evictable leaf block")
                 block = self.blocks[node.block_id]
                 if self.eviction_log is not None:
-                    self.eviction_log.append((block.block_id, node.key))
+                    self.eviction_log.append((block.block_id, node.key, node.owner))
                 block.key = None
                 self.num_evicted_blocks += 1
             block.ref_cnt = 1
@@ -112,12 +112,12 @@ class BlockPool:
 
     # ------------------------------------------------------------------ caching
     def cache_block(self, block_id: int, key: BlockKey, parent: BlockKey,
-                    tokens: list[int] | None, is_first: bool) -> bool:
+                    tokens: list[int] | None, is_first: bool, owner: str | None = None) -> bool:
         """Register an in-use, full block under `key`. False if the key was cached already
         (the block then stays an ordinary uncached block) or the parent is gone."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.key is None, "only in-use, uncached blocks can be cached"
-        if self.index is None or self.index.insert(key, parent, block_id, tokens, is_first) is None:
+        if self.index is None or self.index.insert(key, parent, block_id, tokens, is_first, owner) is None:
             return False
         block.key = key
         return True
@@ -141,7 +141,7 @@ class BlockPool:
                 break
             block = self.blocks[node.block_id]
             if self.eviction_log is not None:
-                self.eviction_log.append((block.block_id, node.key))
+                self.eviction_log.append((block.block_id, node.key, node.owner))
             block.key = None
             self._free.append(block.block_id)
             self.num_evicted_blocks += 1

@@ -51,6 +51,8 @@ class _ReqBlocks:
     """Chained keys of the request's leading full blocks that were computed (or hit)."""
     num_registered: int
     """Leading blocks known to be in the index (this request's block or an equal one)."""
+    owner: str | None = None
+    """The tenant the blocks this request computes belong to."""
 
 
 @dataclass
@@ -79,7 +81,7 @@ class KVCacheManager:
         # Tiers below the device (see set_store_policy): blocks whose KV must be read out.
         self.store_policy: str | None = None
         self.selective_min_hits = 2
-        self._to_store: list[tuple[int, BlockKey]] = []
+        self._to_store: list[tuple[int, BlockKey, str | None]] = []
         self._restored_keys: set[BlockKey] = set()
         self._loads: dict[str, list[tuple[int, object]]] = {}
 
@@ -158,7 +160,7 @@ class KVCacheManager:
                              "call match() again right before allocate_new()")
 
     def allocate_new(self, req_id: str, tokens: Sequence[int], root: BlockKey,
-                     match: PrefixMatch, num_new_tokens: int) -> bool:
+                     match: PrefixMatch, num_new_tokens: int, owner: str | None = None) -> bool:
         """Admit a request: reference its cached prefix, lock a partial-copy source and take
         blocks for `num_new_tokens` more tokens. All or nothing; False if the pool is short."""
         assert req_id not in self._reqs, f"request {req_id} already holds blocks"
@@ -172,12 +174,12 @@ class KVCacheManager:
             node = self.index.get(self.pool.blocks[b].key)
             self.index.record_hit(node)
             if self.store_policy == "selective" and node.hits == self.selective_min_hits:
-                self._to_store.append((b, node.key))
+                self._to_store.append((b, node.key, node.owner))
         num_new = cdiv(num_cached + num_new_tokens, self.block_size) - len(match.block_ids)
         if match.partial_src is not None:
             self.pool.ref(match.partial_src)  # lock until the copy has run
         new = self.pool.allocate(num_new)
-        state = _ReqBlocks(root, list(match.block_ids) + new, list(match.keys), len(match.keys))
+        state = _ReqBlocks(root, list(match.block_ids) + new, list(match.keys), len(match.keys), owner)
         self._reqs[req_id] = state
         if match.partial_src is not None:
             self._pending.setdefault(req_id, []).append(
@@ -229,12 +231,12 @@ class KVCacheManager:
             if key not in index:
                 parent = keys[i - 1] if i else state.root
                 if self.pool.cache_block(state.block_ids[i], key, parent,
-                                         tokens[i * bs:(i + 1) * bs], is_first=(i == 0)) \
+                                         tokens[i * bs:(i + 1) * bs], is_first=(i == 0), owner=state.owner) \
                         and self.store_policy == "write_through":
                     if key in self._restored_keys:
                         self._restored_keys.discard(key)  # it came from a tier: already there
                     else:
-                        self._to_store.append((state.block_ids[i], key))
+                        self._to_store.append((state.block_ids[i], key, state.owner))
         state.num_registered = len(keys)
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> bool:
@@ -257,7 +259,8 @@ class KVCacheManager:
             dst = self.pool.allocate(1)[0]
             blocks.append(dst)
             self._pending.setdefault(child_id, []).append(BlockCopy(src, dst, rem))
-        self._reqs[child_id] = _ReqBlocks(p.root, blocks, list(p.keys[:full]), min(p.num_registered, full))
+        self._reqs[child_id] = _ReqBlocks(p.root, blocks, list(p.keys[:full]), min(p.num_registered, full),
+                                          p.owner)
         return True
 
     def free(self, req_id: str) -> None:
@@ -278,8 +281,8 @@ class KVCacheManager:
         self.selective_min_hits = selective_min_hits
         self.pool.eviction_log = [] if policy == "write_back" else None
 
-    def take_blocks_to_store(self) -> list[tuple[int, BlockKey]]:
-        """(block_id, key) pairs whose KV is intact now and must be read before the next
+    def take_blocks_to_store(self) -> list[tuple[int, BlockKey, str | None]]:
+        """(block_id, key, owner) triples whose KV is intact now and must be read before the next
         forward pass, copy or load (an evicted block may already belong to someone else)."""
         log = self.pool.eviction_log
         if log:
@@ -289,11 +292,11 @@ class KVCacheManager:
         return out
 
     def allocate_restore(self, req_id: str, tokens: Sequence[int], root: BlockKey,
-                         match: PrefixMatch, restore_keys: list[BlockKey]) -> bool:
+                         match: PrefixMatch, restore_keys: list[BlockKey], owner: str | None = None) -> bool:
         """Admit a request whose next `len(restore_keys)` blocks will be loaded from a tier:
         reference its device prefix (full blocks only) and take blocks for the restore."""
         full = PrefixMatch(list(match.block_ids), list(match.keys))
-        return self.allocate_new(req_id, tokens, root, full, len(restore_keys) * self.block_size)
+        return self.allocate_new(req_id, tokens, root, full, len(restore_keys) * self.block_size, owner)
 
     def finish_restore(self, req_id: str, restore_keys: list[BlockKey], tensors: list[object]) -> int:
         """The load finished with `tensors` for the leading restore blocks (maybe fewer than

@@ -41,6 +41,8 @@ class CachedBlock:
     """The block is referenced (set by the pool through set_in_use / set_evictable)."""
     num_held_children: int = 0
     """Children that are in use or have a descendant in use; > 0 pins an unreferenced node."""
+    owner: str | None = None
+    """The tenant whose request computed the block (tiers encrypt with its key)."""
 
     @property
     def held(self) -> bool:
@@ -122,7 +124,7 @@ class PrefixIndex:
 
     # ------------------------------------------------------------------ updates
     def insert(self, key: BlockKey, parent: BlockKey, block_id: int,
-               tokens: Sequence[int] | None, is_first: bool) -> CachedBlock | None:
+               tokens: Sequence[int] | None, is_first: bool, owner: str | None = None) -> CachedBlock | None:
         """Cache the in-use block `block_id` under `key`. Returns None if the key is already
         cached (the caller keeps its block uncached) or if the parent is not cached (it would
         be unreachable)."""
@@ -134,7 +136,8 @@ class PrefixIndex:
             if parent_node is None:
                 return None
             parent_node.num_children += 1
-        node = CachedBlock(key, parent, block_id, tuple(tokens) if tokens is not None else None, is_first)
+        node = CachedBlock(key, parent, block_id, tuple(tokens) if tokens is not None else None, is_first,
+                           owner=owner)
         self._nodes[key] = node
         self._propagate_held(node, +1)
         first_tok = node.tokens[0] if node.tokens else None

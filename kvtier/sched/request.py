@@ -46,6 +46,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0
     cache_salt: str | None = None
+    tenant: str | None = None
+    """Who the request's KV belongs to (tiers encrypt it with this tenant's key)."""
     parent_id: str | None = None
     """Set on the n-1 extra samples of an n > 1 request; they start by forking the parent."""
     sample_index: int = 0

@@ -48,6 +48,7 @@ class RequestSpec:
     cache_salt: str | None = None
     priority: int = 0
     prompt: str | None = None
+    tenant: str | None = None
 
 
 class RequestStream:
@@ -236,7 +237,8 @@ class AsyncEngine:
                 for spec in cmd.specs:
                     added.append(engine.add_request(
                         spec.prompt_token_ids, spec.params, request_id=spec.request_id,
-                        cache_salt=spec.cache_salt, priority=spec.priority, prompt=spec.prompt))
+                        cache_salt=spec.cache_salt, priority=spec.priority, prompt=spec.prompt,
+                        tenant=spec.tenant))
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
                 for rid in added:
                     engine.abort_request(rid)

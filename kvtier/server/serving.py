@@ -225,7 +225,7 @@ class OpenAIServing:
                    req: _SamplingFields, tenant: Tenant, prompt_param: str = "prompt") -> list[RequestStream]:
         salt = tenant.effective_salt(req.cache_salt)
         specs = [RequestSpec(f"{request_id}-{p}", ids, dataclasses.replace(sp), cache_salt=salt,
-                             priority=req.priority, prompt=text)
+                             priority=req.priority, prompt=text, tenant=tenant.name)
                  for p, ((text, ids), sp) in enumerate(zip(prompts, params))]
         if self.request_log is not None:
             th = tenant_hash(tenant.name)

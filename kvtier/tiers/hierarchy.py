@@ -26,6 +26,8 @@ from kvtier.tiers.base import FaultConfig, TierStats
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
+DEFAULT_OWNER = "_default"
+"""The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
 TIER_ORDER = ("host", "disk", "remote")
 
 
@@ -51,6 +53,9 @@ class TierConfig:
     """With 'selective': device hits before a block is written down."""
     compression: str | None = None
     """None, 'lz4' or 'zstd' for disk and remote payloads."""
+    key_dir: str | None = None
+    """Encrypt disk and remote payloads at rest with per-tenant AES-256-GCM data keys kept in
+    this directory (owner-only); destroying a tenant's key makes every copy unreadable."""
     restore_policy: str = "cost"
     """'cost': restore a stored prefix only when the cost model says it beats recomputing it;
     'always': restore whatever is stored (what engines without a cost model do)."""
@@ -128,6 +133,10 @@ class TierHierarchy:
                                               ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
                                               faults=config.fault_for("remote"))
         self.names = list(self.tiers)
+        self.keys = None
+        if config.key_dir:
+            from kvtier.tiers.crypto import KeyStore
+            self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
         self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
         self._lock = threading.Lock()
@@ -176,7 +185,10 @@ class TierHierarchy:
         return runs
 
     # ------------------------------------------------------------------ load
-    def submit_load(self, keys: list[bytes], runs: list[TierRun]) -> Future:
+    def _cipher(self, owner: str | None):
+        return None if self.keys is None else self.keys.cipher(owner or DEFAULT_OWNER)
+
+    def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
         """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
         plan: list[str] = []
         for run in runs:
@@ -186,9 +198,9 @@ class TierHierarchy:
             for name in set(plan):
                 self._inflight[name] += 1
             self._update_queue_estimates()
-        return self._pool.submit(self._load, keys, plan, time.perf_counter())
+        return self._pool.submit(self._load, keys, plan, time.perf_counter(), owner)
 
-    def _load(self, keys: list[bytes], plan: list[str], submitted: float) -> LoadResult:
+    def _load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None = None) -> LoadResult:
         from kvtier.tiers.codec import CodecError, decode
 
         t_start = time.perf_counter()
@@ -201,7 +213,8 @@ class TierHierarchy:
                 t0 = time.perf_counter()
                 tier = self.tiers[name]
                 if name == "host":
-                    kv = tier.get(key)
+                    entry = tier.get(key)
+                    kv = None if entry is None else entry[0]
                 else:
                     if name == "remote" and key not in prefetched:
                         # one round trip for the next run of remote blocks (up to 32)
@@ -211,13 +224,14 @@ class TierHierarchy:
                     kv = None
                     if data is not None:
                         try:
-                            kv = decode(data, fingerprint=self.fingerprint, key=key)
+                            kv = decode(data, fingerprint=self.fingerprint, key=key,
+                                        cipher=self._cipher(owner))
                         except CodecError:
                             tier.report_corrupt(key)
                         else:
                             host = self.tiers.get("host")
                             if host is not None:
-                                host.put(key, kv, self.block_bytes)
+                                host.put(key, (kv, owner), self.block_bytes)
                                 self.stats.promotions += 1
                 tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
                 if kv is None:
@@ -248,41 +262,46 @@ class TierHierarchy:
             self.cost.queue_s[name] = self._inflight[name] * job / workers
 
     # ------------------------------------------------------------------ store
-    def store(self, keys: list[bytes], tensors: list[Any]) -> None:
-        """Write computed blocks down: host now (a reference), disk/remote in the background."""
+    def store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None] | None = None) -> None:
+        """Write computed blocks down: host now (a reference), disk/remote in the background.
+        `owners`: each block's tenant (its data key encrypts the block on disk and remote)."""
+        owners = owners if owners is not None else [None] * len(keys)
         host = self.tiers.get("host")
         lower = [n for n in ("disk", "remote") if n in self.tiers]
         if self.config.cache_write_policy == "write_back" and host is not None:
             lower = []  # host evictions demote them later
         if host is not None:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
-            for key, kv in zip(reversed(keys), reversed(tensors)):
+            for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
-                    host.put(key, kv, self.block_bytes)
+                    host.put(key, (kv, owner), self.block_bytes)
         if lower:
-            self._submit_store(keys, tensors, lower)
+            self._submit_store(keys, tensors, owners, lower)
 
-    def _on_host_evict(self, key: bytes, kv: Any) -> None:
+    def _on_host_evict(self, key: bytes, entry: Any) -> None:
         if self.config.cache_write_policy != "write_back" or self._closed:
             return
         lower = [n for n in ("disk", "remote") if n in self.tiers]
         if lower:
             self.stats.demotions += 1
-            self._submit_store([key], [kv], lower)
+            kv, owner = entry
+            self._submit_store([key], [kv], [owner], lower)
 
-    def _submit_store(self, keys: list[bytes], tensors: list[Any], names: list[str]) -> None:
+    def _submit_store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
+                      names: list[str]) -> None:
         with self._lock:
             if self._pending_stores + len(keys) > self.config.max_pending_stores:
                 self.stats.stores_dropped += len(keys)
                 return
             self._pending_stores += len(keys)
-        self._pool.submit(self._store, keys, tensors, names)
+        self._pool.submit(self._store, keys, tensors, owners, names)
 
-    def _store(self, keys: list[bytes], tensors: list[Any], names: list[str]) -> None:
+    def _store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
+               names: list[str]) -> None:
         from kvtier.tiers.codec import encode
 
         try:
-            for key, kv in zip(keys, tensors):
+            for key, kv, owner in zip(keys, tensors, owners):
                 data = None
                 for name in names:
                     tier = self.tiers[name]
@@ -290,7 +309,7 @@ class TierHierarchy:
                         continue
                     if data is None:
                         data = encode(kv, fingerprint=self.fingerprint, key=key,
-                                      compression=self.config.compression)
+                                      compression=self.config.compression, cipher=self._cipher(owner))
                     tier.put(key, data, self.config.remote_ttl_s if name == "remote" else None)
         except Exception:  # a store is best effort; tiers count their own errors
             logger.exception("store to %s failed", names)

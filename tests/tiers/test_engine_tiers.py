@@ -247,3 +247,43 @@ def test_salts_and_models_never_share_tier_entries(model_dir, tmp_path):
     llm = engine(model_dir, block_size=8, num_device_blocks=20, disk_cache_dir=str(tmp_path / "d"))
     assert llm.generate(p, SP, cache_salt="a")[0].num_cached_tokens == 0
     done(llm)
+
+
+def test_encryption_at_rest_per_tenant_and_destroyed_keys(model_dir, expected, tmp_path):
+    pytest.importorskip("cryptography")
+    from kvtier.tiers.crypto import KeyStore
+
+    p = prompts(13, 1)[0]
+    disk, keys = str(tmp_path / "d"), str(tmp_path / "keys")
+    llm = engine(model_dir, disk_cache_dir=disk, kv_key_dir=keys)
+    rid = llm.engine.add_request(p, SP, tenant="acme")
+    while llm.engine.has_unfinished:
+        llm.engine.step()
+    llm.engine.tiers.flush()
+    # the raw KV of a cached block appears in no file on disk
+    node = next(iter(llm.engine.kv.index.nodes()))
+    assert node.owner == "acme"
+    raw = llm.engine.runner.read_block(node.block_id).numpy().tobytes()
+    files = sorted((tmp_path / "d").rglob("*.kv"))
+    assert files and not any(raw[:256] in f.read_bytes() for f in files)
+    done(llm)
+    del rid
+
+    def restore(**kw):
+        e = engine(model_dir, disk_cache_dir=disk, kv_key_dir=keys, **kw)
+        rid = e.engine.add_request(p, SP, tenant="acme")
+        out = None
+        while e.engine.has_unfinished:
+            for o in e.engine.step():
+                if o.request_id == rid and o.finished:
+                    out = o
+        stats = e.engine.tiers.tier_stats()["disk"]
+        done(e)
+        return out, stats
+
+    out, _ = restore()
+    assert out.cached_tokens_by_tier.get("disk") == 56 and out.outputs[0].token_ids == expected(p)
+    assert KeyStore(keys).destroy("acme")
+    out, stats = restore()  # every stored copy is now unreadable: a miss, recomputed correctly
+    assert out.cached_tokens_by_tier.get("disk", 0) == 0 and out.outputs[0].token_ids == expected(p)
+    assert stats.corrupt >= 1
