@@ -270,6 +270,30 @@ class EngineCore:
             from concurrent.futures import FIRST_COMPLETED, wait
             wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
 
+    def purge_tenant(self, tenant: str | None) -> dict[str, int]:
+        """Delete `tenant`'s KV from the device pool and every tier, and destroy its data key.
+        Blocks that running requests still use stay until those requests end (`device_in_use`)."""
+        pool, index = self.kv.pool, self.kv.index
+        removed = 0
+        while True:
+            mine = [n.key for n in index.nodes() if n.owner == tenant]
+            n = sum(pool.evict_cached(key) for key in mine)  # leaves go first; repeat for parents
+            removed += n
+            if n == 0:
+                break
+        counts = {"device": removed,
+                  "device_in_use": sum(1 for n in index.nodes() if n.owner == tenant)}
+        if self.tiers is not None:
+            counts.update(self.tiers.purge_owner(tenant))
+        return counts
+
+    def tenant_usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
+        n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)
+        out = {"device": {"blocks": n, "bytes": n * self.runner.kv_bytes_per_block}}
+        if self.tiers is not None:
+            out.update(self.tiers.owner_usage(tenant))
+        return out
+
     def reset_prefix_cache(self) -> int:
         n = self.kv.pool.evict_all()
         if self.tiers is not None:

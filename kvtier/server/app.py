@@ -114,6 +114,33 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
 
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def cache_target(request: Request) -> str:
+        """The tenant a /v1/cache call acts on: the caller's, or with an admin key any named one."""
+        tenant = tenant_of(request)
+        named = request.query_params.get("tenant")
+        if named is None or named == tenant.name:
+            return tenant.name
+        if not tenant.admin:
+            raise APIError("only an admin key may name another tenant", 403, type="permission_error",
+                           code="forbidden")
+        return named
+
+    @app.delete("/v1/cache")
+    async def purge_cache(request: Request) -> Response:
+        """Delete the caller's KV from every tier and destroy its data key (admin: ?tenant=NAME)."""
+        target = cache_target(request)
+        counts = await async_engine.run_soon(lambda core: core.purge_tenant(target))
+        destroyed = bool(counts.pop("key_destroyed", 0))
+        return JSONResponse({"object": "cache.purge", "tenant": target, "deleted_blocks": counts,
+                             "data_key_destroyed": destroyed})
+
+    @app.get("/v1/cache")
+    async def cache_usage(request: Request) -> Response:
+        """The caller's cached KV per tier (blocks, bytes where known)."""
+        target = cache_target(request)
+        usage = await async_engine.run_soon(lambda core: core.tenant_usage(target))
+        return JSONResponse({"object": "cache.usage", "tenant": target, "tiers": usage})
+
     @app.post("/admin/check_integrity")
     async def check_integrity(request: Request) -> Response:
         """Runs the engine's invariant checks once it is idle (for load tests). With API keys,

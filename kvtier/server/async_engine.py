@@ -104,6 +104,12 @@ class _Idle:
     done: asyncio.Future
 
 
+@dataclass(slots=True)
+class _Now:
+    fn: Callable[[Any], Any]
+    done: asyncio.Future
+
+
 class _Stop:
     pass
 
@@ -164,6 +170,13 @@ class AsyncEngine:
         self._inbox.put(_Idle(fn, done))
         return await done
 
+    async def run_soon(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine thread between two steps (requests keep running)."""
+        self._check_alive()
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put(_Now(fn, done))
+        return await done
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort what is in flight and stop the thread."""
         if self._thread is not None and self._thread.is_alive():
@@ -188,7 +201,7 @@ class AsyncEngine:
                     cmd = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if isinstance(cmd, (_Add, _Idle)):
+                if isinstance(cmd, (_Add, _Idle, _Now)):
                     fut = cmd.ack if isinstance(cmd, _Add) else cmd.done
                     self._call(_set_exception, fut, EngineDeadError("the engine thread died"))
 
@@ -254,6 +267,11 @@ class AsyncEngine:
                 self._dispatch([out])
         elif isinstance(cmd, _Idle):
             self._idle.append(cmd)
+        elif isinstance(cmd, _Now):
+            try:
+                self._call(_set_result, cmd.done, cmd.fn(engine))
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                self._call(_set_exception, cmd.done, e)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up of the event loop per step."""

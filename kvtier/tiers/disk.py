@@ -91,6 +91,49 @@ class DiskTier(Tier):
             self._index[key] = size
             self._usage_bytes += size
 
+    # -- ownership manifests (purge by tenant) ---------------------------------------------------
+    def _owner_path(self, owner_id: str) -> Path:
+        return self.dir / "owners" / f"{owner_id}.keys"
+
+    def record_owner(self, owner_id: str, keys: list[bytes]) -> None:
+        """Remember that `keys` belong to `owner_id` (an append-only manifest per owner)."""
+        if not keys:
+            return
+        try:
+            path = self._owner_path(owner_id)
+            path.parent.mkdir(exist_ok=True)
+            with self._lock, open(path, "a") as f:
+                f.write("".join(k.hex() + "\n" for k in keys))
+        except OSError as exc:
+            self._fail("record_owner", exc)
+
+    def owner_keys(self, owner_id: str) -> list[bytes]:
+        try:
+            text = self._owner_path(owner_id).read_text()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._fail("owner_keys", exc)
+            return []
+        out, seen = [], set()
+        for line in text.split():
+            try:
+                key = bytes.fromhex(line)
+            except ValueError:
+                continue
+            if len(key) == 16 and key not in seen:
+                seen.add(key)
+                out.append(key)
+        return out
+
+    def contains_count(self, keys: list[bytes]) -> int:
+        """How many of `keys` are stored now (in any order)."""
+        with self._lock:
+            return sum(1 for k in keys if k in self._index)
+
+    def forget_owner(self, owner_id: str) -> None:
+        self._unlink_quietly(self._owner_path(owner_id))
+
     @staticmethod
     def _unlink_quietly(path: str | Path) -> None:
         try:

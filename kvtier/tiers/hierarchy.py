@@ -27,6 +27,13 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 DEFAULT_OWNER = "_default"
+
+
+def owner_id(owner: str | None) -> str:
+    """A tenant's name as stored beside its blocks: hashed, so names never reach the disk."""
+    import hashlib
+
+    return hashlib.sha256((owner or DEFAULT_OWNER).encode("utf-8")).hexdigest()[:32]
 """The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
 TIER_ORDER = ("host", "disk", "remote")
 
@@ -300,6 +307,7 @@ class TierHierarchy:
                names: list[str]) -> None:
         from kvtier.tiers.codec import encode
 
+        stored: dict[tuple[str, str | None], list[bytes]] = {}
         try:
             for key, kv, owner in zip(keys, tensors, owners):
                 data = None
@@ -310,7 +318,10 @@ class TierHierarchy:
                     if data is None:
                         data = encode(kv, fingerprint=self.fingerprint, key=key,
                                       compression=self.config.compression, cipher=self._cipher(owner))
-                    tier.put(key, data, self.config.remote_ttl_s if name == "remote" else None)
+                    if tier.put(key, data, self.config.remote_ttl_s if name == "remote" else None):
+                        stored.setdefault((name, owner), []).append(key)
+            for (name, owner), done in stored.items():
+                self.tiers[name].record_owner(owner_id(owner), done)
         except Exception:  # a store is best effort; tiers count their own errors
             logger.exception("store to %s failed", names)
         finally:
@@ -326,6 +337,40 @@ class TierHierarchy:
                     return True
             time.sleep(0.002)
         return False
+
+    # ------------------------------------------------------------------ tenants
+    def purge_owner(self, owner: str | None) -> dict[str, int]:
+        """Delete every stored block of `owner` from every tier and destroy its data key."""
+        self.flush()
+        oid = owner_id(owner)
+        counts: dict[str, int] = {}
+        host = self.tiers.get("host")
+        if host is not None:
+            counts["host"] = host.purge_where(lambda entry: entry[1] == owner)
+        for name in ("disk", "remote"):
+            tier = self.tiers.get(name)
+            if tier is not None:
+                keys = tier.owner_keys(oid)
+                counts[name] = tier.purge(keys)
+                tier.forget_owner(oid)
+        if self.keys is not None:
+            counts["key_destroyed"] = int(self.keys.destroy(owner or DEFAULT_OWNER))
+        return counts
+
+    def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        host = self.tiers.get("host")
+        if host is not None:
+            with host._lock:
+                n = sum(1 for v in host._entries.values() if v[1] == owner)
+            out["host"] = {"blocks": n, "bytes": n * self.block_bytes}
+        for name in ("disk", "remote"):
+            tier = self.tiers.get(name)
+            if tier is not None:
+                keys = tier.owner_keys(owner_id(owner))
+                n = tier.contains_count(keys) if hasattr(tier, "contains_count") else len(keys)
+                out[name] = {"blocks": n}
+        return out
 
     # ------------------------------------------------------------------ stats / lifecycle
     def tier_stats(self) -> dict[str, TierStats]:

@@ -151,6 +151,12 @@ class HostTier:
             self._stats.deletes += 1
             return True
 
+    def purge_where(self, predicate) -> int:
+        """Delete every entry whose stored value satisfies `predicate`; returns how many."""
+        with self._lock:
+            doomed = [k for k, v in self._entries.items() if predicate(v)]
+        return sum(self.delete(k) for k in doomed)
+
     def purge(self, keys) -> int:
         return sum(self.delete(k) for k in keys)
 

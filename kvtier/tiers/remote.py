@@ -203,6 +203,41 @@ class RemoteTier(Tier):
     def _get(self, key: bytes) -> bytes | None:
         return self._redis().get(self._name(key))
 
+    # -- ownership sets (purge by tenant) ------------------------------------------------------
+    def _owner_set(self, owner_id: str) -> bytes:
+        return self._name_prefix + b"owner:" + owner_id.encode()
+
+    def record_owner(self, owner_id: str, keys: list[bytes]) -> None:
+        """Remember that `keys` belong to `owner_id` (a Redis set shared by every process)."""
+        if not keys or not self._gate.allow():
+            return
+        try:
+            self._redis().sadd(self._owner_set(owner_id), *[k.hex() for k in keys])
+        except Exception as exc:
+            self._fail("record_owner", exc)
+
+    def owner_keys(self, owner_id: str) -> list[bytes]:
+        if not self._gate.allow():
+            return []
+        try:
+            members = self._redis().smembers(self._owner_set(owner_id))
+        except Exception as exc:
+            self._fail("owner_keys", exc)
+            return []
+        out = []
+        for m in members:
+            try:
+                out.append(bytes.fromhex(m.decode() if isinstance(m, bytes) else m))
+            except ValueError:
+                continue
+        return out
+
+    def forget_owner(self, owner_id: str) -> None:
+        try:
+            self._redis().unlink(self._owner_set(owner_id))
+        except Exception as exc:
+            self._fail("forget_owner", exc)
+
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         pipe = self._pipeline()  # GET per key: valid across cluster slots
         for key in keys:
