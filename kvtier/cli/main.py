@@ -228,7 +228,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(host=args.host, port=args.port,
                           served_model_name=args.served_model_name or args.model,
-                          max_body_bytes=args.max_body_bytes)
+                          max_body_bytes=args.max_body_bytes,
+                          ttl_sweep_interval_s=args.ttl_sweep_interval_s)
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
     log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
     try:
@@ -296,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per finished request (token ids, timestamps, tenant "
                    "hash, cached tokens by tier; no text unless --request-log-text)")
     s.add_argument("--request-log-text", action="store_true", help="also log prompt and output text")
+    s.add_argument("--ttl-sweep-interval-s", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)")
     add_engine_args(s)
     s.set_defaults(func=_serve, subparser=s)
     return parser

@@ -106,6 +106,7 @@ class EngineCore:
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
         self._ids = itertools.count()
         self.step_stats = StepStats()
+        self.tenant_ttl_s: dict[str | None, float] = {}
         if self.tiers is not None:
             from kvtier.engine.calibrate import calibrate
             calibrate(self.runner, self.tiers)
@@ -286,6 +287,35 @@ class EngineCore:
         if self.tiers is not None:
             counts.update(self.tiers.purge_owner(tenant))
         return counts
+
+    def set_tenant_ttl(self, tenant: str | None, ttl_s: float | None) -> None:
+        """KV of `tenant` lives at most `ttl_s` in any tier (enforced by `sweep_expired`)."""
+        if ttl_s is None:
+            self.tenant_ttl_s.pop(tenant, None)
+        else:
+            self.tenant_ttl_s[tenant] = float(ttl_s)
+        if self.tiers is not None:
+            self.tiers.owner_ttl_s = dict(self.tenant_ttl_s)
+
+    def sweep_expired(self) -> dict[str, dict[str, int]]:
+        """Drop each TTL'd tenant's KV older than its TTL: device (unreferenced blocks, leaves
+        first), host and disk; Redis expires entries itself."""
+        out: dict[str, dict[str, int]] = {}
+        now = time.monotonic()
+        pool, index = self.kv.pool, self.kv.index
+        for tenant, ttl in self.tenant_ttl_s.items():
+            removed = 0
+            while True:
+                old = [n.key for n in index.nodes() if n.owner == tenant and n.created < now - ttl]
+                n = sum(pool.evict_cached(key) for key in old)
+                removed += n
+                if n == 0:
+                    break
+            counts = {"device": removed}
+            if self.tiers is not None:
+                counts.update(self.tiers.expire_owner(tenant, ttl))
+            out[str(tenant)] = counts
+        return out
 
     def tenant_usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
         n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)

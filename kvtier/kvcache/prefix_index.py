@@ -19,6 +19,7 @@ then freed::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -43,6 +44,8 @@ class CachedBlock:
     """Children that are in use or have a descendant in use; > 0 pins an unreferenced node."""
     owner: str | None = None
     """The tenant whose request computed the block (tiers encrypt with its key)."""
+    created: float = 0.0
+    """time.monotonic() when it was cached (per-tenant TTLs)."""
 
     @property
     def held(self) -> bool:
@@ -137,7 +140,7 @@ class PrefixIndex:
                 return None
             parent_node.num_children += 1
         node = CachedBlock(key, parent, block_id, tuple(tokens) if tokens is not None else None, is_first,
-                           owner=owner)
+                           owner=owner, created=time.monotonic())
         self._nodes[key] = node
         self._propagate_held(node, +1)
         first_tok = node.tokens[0] if node.tokens else None

@@ -9,6 +9,7 @@ and no stack trace; anything else is a 500 in the same shape (the trace goes to 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -45,6 +46,8 @@ class ServerConfig:
     """The model id clients pass as `model` (and /v1/models lists)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get a 413."""
+    ttl_sweep_interval_s: float = 10.0
+    """How often tenants' TTLs are enforced in every tier."""
 
 
 def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
@@ -64,12 +67,27 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
+    ttl_tenants = [t for t in getattr(resolver, "tenants", lambda: [])() if t.ttl_s is not None]
+    for t in ttl_tenants:
+        engine.set_tenant_ttl(t.name, t.ttl_s)
+
+    async def sweeper() -> None:
+        while True:
+            await asyncio.sleep(config.ttl_sweep_interval_s)
+            try:
+                await async_engine.run_soon(lambda core: core.sweep_expired())
+            except Exception:  # noqa: BLE001 - keep sweeping; the engine reports its own death
+                logger.exception("TTL sweep failed")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        task = asyncio.ensure_future(sweeper()) if ttl_tenants else None
         try:
             yield
         finally:
+            if task is not None:
+                task.cancel()
             async_engine.shutdown()
 
     app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)

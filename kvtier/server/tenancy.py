@@ -19,6 +19,8 @@ class Tenant:
     """Mixed into every block key of this tenant's requests; None: the shared, unsalted space."""
     admin: bool = False
     """May act on other tenants (cache purge, integrity checks)."""
+    ttl_s: float | None = None
+    """The tenant's KV lives at most this long in any tier (None: until evicted)."""
 
     def effective_salt(self, request_salt: str | None) -> str | None:
         """The salt a request runs with: the tenant's, narrowed by the request's own
@@ -76,7 +78,8 @@ class ApiKeyResolver:
     """API keys from a JSON file mapped to tenants; any other key is refused (401).
 
         {"keys": {"sk-acme-1": "acme",
-                  "sk-ops": {"tenant": "ops", "admin": true}}}
+                  "sk-ops": {"tenant": "ops", "admin": true}},
+         "tenants": {"acme": {"ttl_s": 86400}}}
 
     Each tenant gets its own cache salt, so the same prompt from two tenants never shares KV
     (no timing side channel); a request's `cache_salt` can only subdivide its tenant's space.
@@ -100,6 +103,9 @@ class ApiKeyResolver:
             raise ValueError(f"the API key file {path} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
             raise ValueError(f"the API key file {path} needs a 'keys' object: {{\"keys\": {{\"KEY\": \"TENANT\"}}}}")
+        policies = data.get("tenants") or {}
+        if not isinstance(policies, dict):
+            raise ValueError(f"'tenants' in {path} must be an object: {{\"NAME\": {{\"ttl_s\": SECONDS}}}}")
         keys: dict[str, Tenant] = {}
         for key, spec in data["keys"].items():
             if isinstance(spec, str):
@@ -107,8 +113,14 @@ class ApiKeyResolver:
             if not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str) or not spec["tenant"]:
                 raise ValueError(f"API key {key[:6]}...: give a tenant name (a string or {{\"tenant\": NAME}})")
             name = spec["tenant"]
-            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)))
+            ttl = (policies.get(name) or {}).get("ttl_s")
+            if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
+                raise ValueError(f"tenant {name!r}: ttl_s must be a positive number of seconds")
+            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)), ttl_s=ttl)
         return cls(keys)
+
+    def tenants(self) -> list[Tenant]:
+        return list({t.name: t for t in self._keys.values()}.values())
 
     def resolve(self, api_key: str | None) -> Tenant:
         if api_key is None:

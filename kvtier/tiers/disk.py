@@ -23,6 +23,7 @@ import errno
 import itertools
 import os
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable
@@ -102,12 +103,14 @@ class DiskTier(Tier):
         try:
             path = self._owner_path(owner_id)
             path.parent.mkdir(exist_ok=True)
+            now = time.time()
             with self._lock, open(path, "a") as f:
-                f.write("".join(k.hex() + "\n" for k in keys))
+                f.write("".join(f"{k.hex()} {now:.3f}\n" for k in keys))
         except OSError as exc:
             self._fail("record_owner", exc)
 
-    def owner_keys(self, owner_id: str) -> list[bytes]:
+    def owner_keys(self, owner_id: str, written_before: float | None = None) -> list[bytes]:
+        """The owner's keys (those last written before `written_before`, a time.time(), if given)."""
         try:
             text = self._owner_path(owner_id).read_text()
         except FileNotFoundError:
@@ -115,16 +118,24 @@ class DiskTier(Tier):
         except OSError as exc:
             self._fail("owner_keys", exc)
             return []
-        out, seen = [], set()
-        for line in text.split():
+        latest: dict[bytes, float] = {}
+        for line in text.splitlines():
+            parts = line.split()
             try:
-                key = bytes.fromhex(line)
-            except ValueError:
+                key = bytes.fromhex(parts[0])
+                t = float(parts[1]) if len(parts) > 1 else 0.0
+            except (ValueError, IndexError):
                 continue
-            if len(key) == 16 and key not in seen:
-                seen.add(key)
-                out.append(key)
-        return out
+            if len(key) == 16:
+                latest[key] = max(t, latest.get(key, 0.0))
+        if written_before is None:
+            return list(latest)
+        return [k for k, t in latest.items() if t < written_before]
+
+    def expire_owner(self, owner_id: str, ttl_s: float) -> int:
+        """Delete the owner's entries written more than `ttl_s` ago; returns how many."""
+        old = self.owner_keys(owner_id, written_before=time.time() - ttl_s)
+        return self.purge(old)
 
     def contains_count(self, keys: list[bytes]) -> int:
         """How many of `keys` are stored now (in any order)."""

@@ -140,6 +140,8 @@ class TierHierarchy:
                                               ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
                                               faults=config.fault_for("remote"))
         self.names = list(self.tiers)
+        self.owner_ttl_s: dict[str | None, float] = {}
+        """Per-tenant time to live of stored KV (set by the server from its tenant config)."""
         self.keys = None
         if config.key_dir:
             from kvtier.tiers.crypto import KeyStore
@@ -238,7 +240,7 @@ class TierHierarchy:
                         else:
                             host = self.tiers.get("host")
                             if host is not None:
-                                host.put(key, (kv, owner), self.block_bytes)
+                                host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
                                 self.stats.promotions += 1
                 tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
                 if kv is None:
@@ -281,7 +283,7 @@ class TierHierarchy:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
             for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
-                    host.put(key, (kv, owner), self.block_bytes)
+                    host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
         if lower:
             self._submit_store(keys, tensors, owners, lower)
 
@@ -291,7 +293,7 @@ class TierHierarchy:
         lower = [n for n in ("disk", "remote") if n in self.tiers]
         if lower:
             self.stats.demotions += 1
-            kv, owner = entry
+            kv, owner, _ = entry
             self._submit_store([key], [kv], [owner], lower)
 
     def _submit_store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
@@ -318,7 +320,7 @@ class TierHierarchy:
                     if data is None:
                         data = encode(kv, fingerprint=self.fingerprint, key=key,
                                       compression=self.config.compression, cipher=self._cipher(owner))
-                    if tier.put(key, data, self.config.remote_ttl_s if name == "remote" else None):
+                    if tier.put(key, data, self._remote_ttl(owner) if name == "remote" else None):
                         stored.setdefault((name, owner), []).append(key)
             for (name, owner), done in stored.items():
                 self.tiers[name].record_owner(owner_id(owner), done)
@@ -339,6 +341,23 @@ class TierHierarchy:
         return False
 
     # ------------------------------------------------------------------ tenants
+    def _remote_ttl(self, owner: str | None) -> float | None:
+        ttls = [t for t in (self.config.remote_ttl_s, self.owner_ttl_s.get(owner)) if t is not None]
+        return min(ttls) if ttls else None
+
+    def expire_owner(self, owner: str | None, ttl_s: float) -> dict[str, int]:
+        """Delete `owner`'s blocks stored more than `ttl_s` ago from host and disk (Redis
+        entries carry the TTL themselves)."""
+        counts: dict[str, int] = {}
+        host = self.tiers.get("host")
+        if host is not None:
+            cutoff = time.monotonic() - ttl_s
+            counts["host"] = host.purge_where(lambda e: e[1] == owner and e[2] < cutoff)
+        disk = self.tiers.get("disk")
+        if disk is not None:
+            counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s)
+        return counts
+
     def purge_owner(self, owner: str | None) -> dict[str, int]:
         """Delete every stored block of `owner` from every tier and destroy its data key."""
         self.flush()

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import socket
-import subprocess
 import time
 
 import httpx
@@ -19,30 +16,6 @@ redis = pytest.importorskip("redis")
 
 PROMPT_A = "Tenant A's private document, long enough to fill several KV blocks. " * 2
 PROMPT_B = "Tenant B has a different document that must survive A's purge untouched. " * 2
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +66,8 @@ def test_purge_removes_every_copy_and_destroys_the_key(purge_server, redis_url):
     # acme's files, found through its manifest; keep a copy of one to try after the purge
     fp_dir = next(p for p in (d / "disk").iterdir() if p.is_dir())
     oid = hashlib.sha256(b"acme").hexdigest()[:32]
-    keys_a = [bytes.fromhex(x) for x in (fp_dir / "owners" / f"{oid}.keys").read_text().split()]
+    manifest = (fp_dir / "owners" / f"{oid}.keys").read_text().splitlines()  # "<key hex> <time>"
+    keys_a = list(dict.fromkeys(bytes.fromhex(line.split()[0]) for line in manifest))
     files_a = [fp_dir / k.hex()[:2] / f"{k.hex()}.kv" for k in keys_a]
     assert all(f.is_file() for f in files_a)
     stolen = files_a[0].read_bytes()
