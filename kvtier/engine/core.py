@@ -288,6 +288,14 @@ class EngineCore:
             counts.update(self.tiers.purge_owner(tenant))
         return counts
 
+    def purge_all(self) -> dict[str, int]:
+        """Every tenant's KV out of the device pool (unreferenced blocks) and every tier."""
+        counts = {"device": self.kv.pool.evict_all()}
+        self.kv.take_blocks_to_store()  # a purge writes nothing down (write-back eviction log)
+        if self.tiers is not None:
+            counts.update(self.tiers.purge_all())
+        return counts
+
     def set_tenant_ttl(self, tenant: str | None, ttl_s: float | None) -> None:
         """KV of `tenant` lives at most `ttl_s` in any tier (enforced by `sweep_expired`)."""
         if ttl_s is None:
@@ -296,6 +304,15 @@ class EngineCore:
             self.tenant_ttl_s[tenant] = float(ttl_s)
         if self.tiers is not None:
             self.tiers.owner_ttl_s = dict(self.tenant_ttl_s)
+
+    def set_tenant_quota(self, tenant: str | None, host_bytes: int | None = None,
+                         disk_bytes: int | None = None) -> None:
+        """Cap `tenant`'s bytes in the host and disk tiers (its own oldest blocks go first)."""
+        if self.tiers is not None:
+            if host_bytes is None and disk_bytes is None:
+                self.tiers.owner_quota.pop(tenant, None)
+            else:
+                self.tiers.owner_quota[tenant] = (host_bytes, disk_bytes)
 
     def sweep_expired(self) -> dict[str, dict[str, int]]:
         """Drop each TTL'd tenant's KV older than its TTL: device (unreferenced blocks, leaves

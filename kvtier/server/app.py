@@ -70,6 +70,9 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     ttl_tenants = [t for t in getattr(resolver, "tenants", lambda: [])() if t.ttl_s is not None]
     for t in ttl_tenants:
         engine.set_tenant_ttl(t.name, t.ttl_s)
+    for t in getattr(resolver, "tenants", lambda: [])():
+        if t.host_bytes is not None or t.disk_bytes is not None:
+            engine.set_tenant_quota(t.name, t.host_bytes, t.disk_bytes)
 
     async def sweeper() -> None:
         while True:
@@ -146,6 +149,14 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     @app.delete("/v1/cache")
     async def purge_cache(request: Request) -> Response:
         """Delete the caller's KV from every tier and destroy its data key (admin: ?tenant=NAME)."""
+        if request.query_params.get("all") in ("1", "true"):
+            if not isinstance(resolver, SingleTenantResolver) and not tenant_of(request).admin:
+                raise APIError("only an admin key may purge every tenant", 403, type="permission_error",
+                               code="forbidden")
+            counts = await async_engine.run_soon(lambda core: core.purge_all())
+            destroyed = counts.pop("keys_destroyed", 0)
+            return JSONResponse({"object": "cache.purge", "tenant": None, "deleted_blocks": counts,
+                                 "data_keys_destroyed": destroyed})
         target = cache_target(request)
         counts = await async_engine.run_soon(lambda core: core.purge_tenant(target))
         destroyed = bool(counts.pop("key_destroyed", 0))

@@ -21,6 +21,9 @@ class Tenant:
     """May act on other tenants (cache purge, integrity checks)."""
     ttl_s: float | None = None
     """The tenant's KV lives at most this long in any tier (None: until evicted)."""
+    host_bytes: int | None = None
+    disk_bytes: int | None = None
+    """Caps on the tenant's KV in the host and disk tiers (None: no cap of its own)."""
 
     def effective_salt(self, request_salt: str | None) -> str | None:
         """The salt a request runs with: the tenant's, narrowed by the request's own
@@ -79,7 +82,7 @@ class ApiKeyResolver:
 
         {"keys": {"sk-acme-1": "acme",
                   "sk-ops": {"tenant": "ops", "admin": true}},
-         "tenants": {"acme": {"ttl_s": 86400}}}
+         "tenants": {"acme": {"ttl_s": 86400, "host_bytes": 1073741824, "disk_bytes": 10737418240}}}
 
     Each tenant gets its own cache salt, so the same prompt from two tenants never shares KV
     (no timing side channel); a request's `cache_salt` can only subdivide its tenant's space.
@@ -116,7 +119,13 @@ class ApiKeyResolver:
             ttl = (policies.get(name) or {}).get("ttl_s")
             if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
                 raise ValueError(f"tenant {name!r}: ttl_s must be a positive number of seconds")
-            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)), ttl_s=ttl)
+            pol = policies.get(name) or {}
+            for field_name in ("host_bytes", "disk_bytes"):
+                v = pol.get(field_name)
+                if v is not None and (not isinstance(v, int) or v <= 0):
+                    raise ValueError(f"tenant {name!r}: {field_name} must be a positive integer")
+            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)), ttl_s=ttl,
+                               host_bytes=pol.get("host_bytes"), disk_bytes=pol.get("disk_bytes"))
         return cls(keys)
 
     def tenants(self) -> list[Tenant]:

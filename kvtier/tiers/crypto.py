@@ -87,6 +87,21 @@ class KeyStore:
             c = self._ciphers[tenant] = AesGcmCipher(key)
             return c
 
+    def destroy_all(self) -> int:
+        """Destroy every data key in the directory; returns how many."""
+        with self._lock:
+            self._ciphers.clear()
+        n = 0
+        for path in self.dir.glob("*.key"):
+            size = path.stat().st_size
+            with open(path, "r+b") as f:
+                f.write(b"\x00" * size)
+                f.flush()
+                os.fsync(f.fileno())
+            path.unlink()
+            n += 1
+        return n
+
     def destroy(self, tenant: str) -> bool:
         """Overwrite and remove the tenant's key. True if a key existed."""
         with self._lock:

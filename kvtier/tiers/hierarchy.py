@@ -117,6 +117,7 @@ class HierarchyStats:
     load_failures: int = 0
     demotions: int = 0
     promotions: int = 0
+    quota_evictions: int = 0
 
 
 class TierHierarchy:
@@ -140,6 +141,9 @@ class TierHierarchy:
                                               ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
                                               faults=config.fault_for("remote"))
         self.names = list(self.tiers)
+        self.owner_quota: dict[str | None, tuple[int | None, int | None]] = {}
+        """Per-tenant (host_bytes, disk_bytes) caps; a tenant over its cap loses its own oldest
+        blocks first, never another tenant's."""
         self.owner_ttl_s: dict[str | None, float] = {}
         """Per-tenant time to live of stored KV (set by the server from its tenant config)."""
         self.keys = None
@@ -284,6 +288,10 @@ class TierHierarchy:
             for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
                     host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
+            for owner in set(owners):
+                cap = self.owner_quota.get(owner, (None, None))[0]
+                if cap is not None:
+                    self._enforce_host_quota(host, owner, cap)
         if lower:
             self._submit_store(keys, tensors, owners, lower)
 
@@ -324,6 +332,9 @@ class TierHierarchy:
                         stored.setdefault((name, owner), []).append(key)
             for (name, owner), done in stored.items():
                 self.tiers[name].record_owner(owner_id(owner), done)
+                cap = self.owner_quota.get(owner, (None, None))[1]
+                if name == "disk" and cap is not None:
+                    self._enforce_disk_quota(self.tiers[name], owner, cap)
         except Exception:  # a store is best effort; tiers count their own errors
             logger.exception("store to %s failed", names)
         finally:
@@ -341,6 +352,29 @@ class TierHierarchy:
         return False
 
     # ------------------------------------------------------------------ tenants
+    def _enforce_host_quota(self, host: Any, owner: str | None, cap_bytes: int) -> None:
+        with host._lock:
+            mine = [k for k, v in host._entries.items() if v[1] == owner]  # least recent first
+        excess = len(mine) * self.block_bytes - cap_bytes
+        for key in mine:
+            if excess <= 0:
+                break
+            if host.delete(key):
+                excess -= self.block_bytes
+                self.stats.quota_evictions += 1
+
+    def _enforce_disk_quota(self, disk: Any, owner: str | None, cap_bytes: int) -> None:
+        keys = disk.owner_keys(owner_id(owner))  # oldest write first
+        with disk._lock:
+            present = [(k, disk._index[k]) for k in keys if k in disk._index]
+        excess = sum(size for _, size in present) - cap_bytes
+        for key, size in present:
+            if excess <= 0:
+                break
+            if disk.delete(key):
+                excess -= size
+                self.stats.quota_evictions += 1
+
     def _remote_ttl(self, owner: str | None) -> float | None:
         ttls = [t for t in (self.config.remote_ttl_s, self.owner_ttl_s.get(owner)) if t is not None]
         return min(ttls) if ttls else None
@@ -374,6 +408,15 @@ class TierHierarchy:
                 tier.forget_owner(oid)
         if self.keys is not None:
             counts["key_destroyed"] = int(self.keys.destroy(owner or DEFAULT_OWNER))
+        return counts
+
+    def purge_all(self) -> dict[str, int]:
+        """Delete every stored block of this model configuration from every tier and destroy
+        every data key."""
+        self.flush()
+        counts = {name: tier.clear() for name, tier in self.tiers.items()}
+        if self.keys is not None:
+            counts["keys_destroyed"] = self.keys.destroy_all()
         return counts
 
     def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:

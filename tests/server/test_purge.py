@@ -101,3 +101,15 @@ def test_purge_removes_every_copy_and_destroys_the_key(purge_server, redis_url):
     assert complete(s, "sk-b", PROMPT_B)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     ok = call(s, "POST", "/admin/check_integrity", "sk-admin")
     assert ok.status_code == 200 and ok.json()["ok"]
+
+
+def test_admin_purges_every_tenant(purge_server):
+    s, d = purge_server
+    complete(s, "sk-b", PROMPT_B + " again")
+    wait_stored(s, "sk-b")
+    assert call(s, "DELETE", "/v1/cache?all=true", "sk-b").status_code == 403
+    res = call(s, "DELETE", "/v1/cache?all=true", "sk-admin").json()
+    assert res["deleted_blocks"]["disk"] > 0 and res["data_keys_destroyed"] >= 1
+    assert not list((d / "disk").rglob("*.kv")) and not list((d / "keys").glob("*.key"))
+    assert complete(s, "sk-b", PROMPT_B)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert call(s, "POST", "/admin/check_integrity", "sk-admin").json()["ok"]

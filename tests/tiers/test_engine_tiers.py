@@ -287,3 +287,22 @@ def test_encryption_at_rest_per_tenant_and_destroyed_keys(model_dir, expected, t
     out, stats = restore()  # every stored copy is now unreadable: a miss, recomputed correctly
     assert out.cached_tokens_by_tier.get("disk", 0) == 0 and out.outputs[0].token_ids == expected(p)
     assert stats.corrupt >= 1
+
+
+def test_tenant_quotas_cap_host_and_disk_bytes_of_that_tenant_only(model_dir, expected, tmp_path):
+    p = prompts(14, 1)[0]
+    llm = engine(model_dir, host_cache_bytes=64 << 20, disk_cache_dir=str(tmp_path / "d"))
+    eng = llm.engine
+    bb = eng.runner.kv_bytes_per_block
+    # disk frames are a block plus a header of ~100 bytes: room for 8 frames, not 9
+    eng.set_tenant_quota("small", host_bytes=5 * bb, disk_bytes=8 * bb + 1024)
+    for tenant in ("small", "big"):
+        eng.add_request(p, SP, tenant=tenant, cache_salt=tenant)  # as the server does
+        while eng.has_unfinished:
+            eng.step()
+    eng.tiers.flush()
+    use_small, use_big = eng.tenant_usage("small"), eng.tenant_usage("big")
+    assert use_small["host"]["blocks"] == 5 and use_small["disk"]["blocks"] == 8
+    assert use_big["host"]["blocks"] == 16 and use_big["disk"]["blocks"] == 16
+    assert eng.tiers.stats.quota_evictions == (16 - 5) + (16 - 8)
+    done(llm)
