@@ -242,6 +242,95 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from kvtier.sim.profile import analyze, format_text, parse_records, summary
+
+    tok = None
+    if args.tokenizer:
+        from kvtier.model.tokenizer import Tokenizer
+        tok = Tokenizer(args.tokenizer)
+    with open(args.log, encoding="utf-8") as f:
+        prof = analyze(parse_records(f, tok), block_tokens=args.block_tokens)
+    s = summary(prof, block_bytes_per_token=args.kv_bytes_per_token)
+    print(json.dumps(s, indent=1) if args.json else format_text(s))
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from kvtier.sim.simulator import DEFAULT_BYTES_PER_TOKEN, load_trace, simulate
+
+    caps: list[int] = []
+    for group in args.device_blocks or []:
+        for part in group.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                value = int(part)
+            except ValueError:
+                raise ValueError(f"--device-blocks: invalid integer {part!r}") from None
+            if value < 1:
+                raise ValueError(f"--device-blocks: must be >= 1, got {value}")
+            caps.append(value)
+    if not caps:
+        raise ValueError("give at least one capacity: --device-blocks N1,N2,...")
+    block_bytes = args.block_bytes or args.block_tokens * DEFAULT_BYTES_PER_TOKEN
+    reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
+    res = simulate(reqs, caps, policy=args.policy, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
+                   block_tokens=args.block_tokens, block_bytes=block_bytes,
+                   prefill_s_per_token=args.prefill_s_per_token)
+    if args.plot:
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("kvtier: --plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        else:
+            pts = sorted(res["points"], key=lambda p: p["device_blocks"])
+            xs = [p["device_blocks"] for p in pts]
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            ax.plot(xs, [p["block_hit_rate"] for p in pts], "o-", label="block hit rate")
+            ax.plot(xs, [p["token_hit_rate"] for p in pts], "s--", label="token hit rate")
+            if res["host_blocks"] or res["disk_blocks"]:
+                ax.plot(xs, [p["device_block_hit_rate"] for p in pts], "^:", label="device-only block hit rate")
+            ax.axhline(res["ideal_block_hit_rate"], color="gray", ls=":", label="ideal (unlimited)")
+            ax.set_xlabel("device blocks")
+            ax.set_ylabel("hit rate")
+            ax.set_ylim(0, 1)
+            ax.set_title(f"{args.trace} ({args.policy})", fontsize=9)
+            ax.legend()
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(args.plot)
+            plt.close(fig)
+            print(f"kvtier: wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    tiers = bool(res["host_blocks"] or res["disk_blocks"])
+    print(f"{res['num_requests']} requests, {res['total_blocks']} blocks, {res['total_tokens']} tokens; "
+          f"policy {res['policy']}; ideal block hit rate {res['ideal_block_hit_rate']:.4f}, "
+          f"token {res['ideal_token_hit_rate']:.4f}")
+    if tiers:
+        print(f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}")
+    head = f"{'device_blocks':>13} {'block_hit':>9} {'token_hit':>9}"
+    if tiers:
+        head += f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'read_GiB':>9} {'write_GiB':>9}"
+    head += f" {'saved_s':>10} {'oversized':>9} {'sim_s':>6}"
+    print(head)
+    for p in res["points"]:
+        line = f"{p['device_blocks']:>13} {p['block_hit_rate']:>9.4f} {p['token_hit_rate']:>9.4f}"
+        if tiers:
+            read = (p["bytes_host_to_device"] + p["bytes_disk_to_device"]) / 2**30
+            write = (p["bytes_device_to_host"] + p["bytes_host_to_disk"]) / 2**30
+            line += (f" {p['device_block_hit_rate']:>8.4f} {p['host_block_hit_rate']:>8.4f}"
+                     f" {p['disk_block_hit_rate']:>8.4f} {read:>9.1f} {write:>9.1f}")
+        line += f" {p['prefill_saved_s']:>10.1f} {p['oversized_requests']:>9} {p['sim_seconds']:>6.2f}"
+        print(line)
+    return 0
+
+
 def _port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:
@@ -301,6 +390,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)")
     add_engine_args(s)
     s.set_defaults(func=_serve, subparser=s)
+
+    a = sub.add_parser("analyze", help="traffic profile of a request log: reuse, intervals, shared segments",
+                       description="Reads a kvtier request log, token-id lists, Mooncake trace records or "
+                       "OpenAI request bodies (with --tokenizer) and reports how much a prefix cache can "
+                       "reuse, how soon reuse comes back, where shared segments sit, with recommendations.")
+    a.add_argument("log", help="JSONL file")
+    a.add_argument("--block-tokens", type=_positive_int, default=None,
+                   help="tokens per block (default 16; 512 for Mooncake records)")
+    a.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenize text requests with this model dir")
+    a.add_argument("--kv-bytes-per-token", type=_positive_int, default=12 * 1024,
+                   help="for sizing advice (default 12 KiB, the reference model in bf16)")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.set_defaults(func=_analyze, subparser=None)
+
+    m = sub.add_parser("simulate", help="replay a Mooncake-format trace through the prefix cache (no model)",
+                       description="Replays a trace (JSONL: timestamp, input_length, output_length, hash_ids) "
+                       "through kvtier's own BlockPool + PrefixIndex at one or more device capacities and "
+                       "reports block and token hit rates, optionally with host/disk tiers below.")
+    m.add_argument("trace", help="JSONL trace file")
+    m.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per hash id (default 512)")
+    m.add_argument("--device-blocks", "--sweep", dest="device_blocks", action="append", metavar="N1,N2,...",
+                   help="device pool capacities in blocks (comma-separated, repeatable; --sweep is a synonym)")
+    m.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="device eviction policy (default lru)")
+    m.add_argument("--host-blocks", type=_positive_int, default=None, help="host tier capacity in blocks")
+    m.add_argument("--disk-blocks", type=_positive_int, default=None, help="disk tier capacity in blocks")
+    m.add_argument("--block-bytes", type=_size, default=None, metavar="SIZE",
+                   help="KV bytes per block (default 12KiB x --block-tokens, the reference model)")
+    m.add_argument("--prefill-s-per-token", type=_positive_float, default=0.78e-3, metavar="SECONDS",
+                   help="prefill cost per token for the time-saved estimate (default 0.78e-3)")
+    m.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
+    m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    m.set_defaults(func=_simulate, subparser=None)
     return parser
 
 
