@@ -93,12 +93,7 @@ class KeyStore:
             self._ciphers.clear()
         n = 0
         for path in self.dir.glob("*.key"):
-            size = path.stat().st_size
-            with open(path, "r+b") as f:
-                f.write(b"\x00" * size)
-                f.flush()
-                os.fsync(f.fileno())
-            path.unlink()
+            _shred(path)
             n += 1
         return n
 
@@ -109,10 +104,15 @@ class KeyStore:
             path = self._path(tenant)
             if not path.is_file():
                 return False
-            size = path.stat().st_size
-            with open(path, "r+b") as f:
-                f.write(b"\x00" * size)
-                f.flush()
-                os.fsync(f.fileno())
-            path.unlink()
+            _shred(path)
             return True
+
+
+def _shred(path: Path) -> None:
+    """Overwrite a key file with zeros, sync, and remove it."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write(b"\x00" * size)
+        f.flush()
+        os.fsync(f.fileno())
+    path.unlink()
