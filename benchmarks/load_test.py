@@ -32,6 +32,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from kvtier.server.sse import aiter_events  # noqa: E402
+
 MODEL_NAME = "load-test"
 
 
@@ -112,14 +114,10 @@ async def run_clients(url: str, clients: int, duration_s: float, max_tokens: int
                         stats["errors"].append(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                         continue
                     chunks, done = 0, False
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
+                    async for chunk in aiter_events(r):
+                        if chunk is None:
                             done = True
                             break
-                        chunk = json.loads(data)
                         if "error" in chunk:
                             stats["errors"].append(chunk["error"]["message"])
                             continue

@@ -13,6 +13,8 @@ import pytest
 
 from serverutil import MODEL_NAME, scrape
 
+from kvtier.server.sse import aiter_events
+
 # ~0.5 s of generation on a CPU for this tiny model; the clients below leave well before
 LONG = {"model": MODEL_NAME, "prompt": "a request that the client abandons", "max_tokens": 210,
         "temperature": 0.0, "ignore_eos": True}
@@ -72,14 +74,10 @@ def test_concurrent_streaming_clients(serve):
                             stats["errors"].append(f"{r.status_code}: {await r.aread()!r}")
                             continue
                         n_chunks, done = 0, False
-                        async for line in r.aiter_lines():
-                            if not line.startswith("data:"):
-                                continue
-                            data = line[5:].strip()
-                            if data == "[DONE]":
+                        async for chunk in aiter_events(r):
+                            if chunk is None:
                                 done = True
                                 break
-                            chunk = json.loads(data)
                             if "error" in chunk:
                                 stats["errors"].append(chunk["error"]["message"])
                             elif chunk.get("usage"):
