@@ -40,6 +40,9 @@ class CacheConfig:
     """Reuse KV of equal prefixes across requests."""
     eviction_policy: str = "lru"
     """'lru' or 'lfu'."""
+    kv_cache_dtype: str = "auto"
+    """How cached tokens are stored, on the device and in every tier: 'auto' (the model dtype),
+    'bfloat16', 'float16', 'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte, per-block scales)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -20,6 +20,11 @@ class LLM:
 
     Exactly one of `num_device_blocks` / `kv_cache_bytes` sizes the device KV pool (neither:
     a default share of memory). `seed` seeds requests that do not carry their own.
+    `kv_drift_sample_rate`: the fraction of requests re-computed with full-precision KV after
+    they finish, to measure what the KV dtype costs (`engine.drift.stats`; kvtier.engine.drift).
+    `kv_cache_dtype` stores cached tokens as 'auto' (the model dtype), 'bfloat16', 'float16',
+    'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte per value plus per-block scales: ~2x the
+    tokens per byte of bfloat16, on the device and in every tier).
     """
 
     def __init__(self, model: str, dtype: str = "auto", block_size: int = 16,
@@ -34,13 +39,14 @@ class LLM:
                  remote_ttl_s: float | None = None, cache_write_policy: str = "write_through",
                  cache_compression: str | None = None, restore_policy: str = "cost",
                  kv_key_dir: str | None = None,
-                 tier_faults: dict[str, str] | None = None) -> None:
+                 tier_faults: dict[str, str] | None = None, kv_cache_dtype: str = "auto",
+                 kv_drift_sample_rate: float = 0.0) -> None:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, tokenizer=tokenizer),
             cache=CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
                               kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
-                              eviction_policy=eviction_policy),
+                              eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy,
@@ -58,7 +64,10 @@ class LLM:
             if (tok_dir / "tokenizer.json").is_file():
                 from kvtier.model.tokenizer import Tokenizer
                 tok = Tokenizer(tok_dir)
-        self.engine = EngineCore(config, tokenizer=tok)
+        from kvtier.engine.drift import DriftConfig
+
+        drift = DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed)
+        self.engine = EngineCore(config, tokenizer=tok, drift=drift)
         self.tokenizer = tok
         self.config = config
 

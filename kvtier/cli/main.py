@@ -18,6 +18,8 @@ from typing import Any
 TIERS = ("host", "disk", "remote")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+"""= kvtier.model.kv_quant.KV_CACHE_DTYPES (repeated: the CLI parses flags before importing torch)."""
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -119,6 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
     e = parser.add_argument_group("engine")
     e.add_argument("--dtype", choices=DTYPES, default=None, help=f"weights and KV dtype ({dtype_help})")
     e.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 16)")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                   help="how cached tokens are stored, on the device and in every tier (default auto: the "
+                        "model dtype); fp8_e4m3, fp8_e5m2 and int8 hold ~2x the tokens of bfloat16")
     pool = e.add_mutually_exclusive_group()
     pool.add_argument("--num-device-blocks", type=_positive_int, default=None,
                       help="blocks in the device KV pool")
@@ -132,6 +137,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="do not reuse KV across requests (tiers below the device need it)")
     e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
+    e.add_argument("--kv-drift-sample-rate", type=_fraction, default=None, metavar="FRACTION",
+                   help="fraction of requests re-computed with full-precision KV after they finish; mean KL "
+                        "and top-1 agreement go to the kvtier:kv_drift_* metrics (default 0: off)")
 
     t = parser.add_argument_group("KV tiers below the device")
     t.add_argument("--host-cache-bytes", type=_size, default=None, metavar="SIZE",
@@ -155,9 +163,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR")
 
 
-ENGINE_KEYS = ("dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
+ENGINE_KEYS = ("dtype", "kv_cache_dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
-               "scheduling_policy")
+               "scheduling_policy", "kv_drift_sample_rate")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
              "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults", "kv_key_dir")
 
@@ -257,7 +265,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from kvtier.sim.simulator import DEFAULT_BYTES_PER_TOKEN, load_trace, simulate
+    from kvtier.sim import SimConfig, TierSpeeds, load_trace, simulate
 
     caps: list[int] = []
     for group in args.device_blocks or []:
@@ -274,11 +282,17 @@ def _simulate(args: argparse.Namespace) -> int:
             caps.append(value)
     if not caps:
         raise ValueError("give at least one capacity: --device-blocks N1,N2,...")
-    block_bytes = args.block_bytes or args.block_tokens * DEFAULT_BYTES_PER_TOKEN
+    speeds = TierSpeeds(host_bytes_per_s=args.host_gbps * 1e9, host_latency_s=args.host_latency_ms * 1e-3,
+                        disk_bytes_per_s=args.disk_gbps * 1e9, disk_latency_s=args.disk_latency_ms * 1e-3,
+                        prefill_s_per_token=args.prefill_s_per_token,
+                        prefill_s_per_token_pair=args.prefill_s_per_token_pair)
+    config = SimConfig(block_tokens=args.block_tokens, block_bytes=args.block_bytes, policy=args.policy,
+                       host_blocks=args.host_blocks, host_bytes=args.host_bytes, disk_blocks=args.disk_blocks,
+                       disk_bytes=args.disk_bytes, write_policy=args.write_policy,
+                       selective_min_hits=args.selective_min_hits, restore_policy=args.restore_policy,
+                       speeds=speeds)
     reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
-    res = simulate(reqs, caps, policy=args.policy, host_blocks=args.host_blocks, disk_blocks=args.disk_blocks,
-                   block_tokens=args.block_tokens, block_bytes=block_bytes,
-                   prefill_s_per_token=args.prefill_s_per_token)
+    res = simulate(reqs, caps, config)
     if args.plot:
         try:
             import matplotlib
@@ -313,22 +327,80 @@ def _simulate(args: argparse.Namespace) -> int:
           f"policy {res['policy']}; ideal block hit rate {res['ideal_block_hit_rate']:.4f}, "
           f"token {res['ideal_token_hit_rate']:.4f}")
     if tiers:
-        print(f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}")
+        print(f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}; {res['write_policy']}, "
+              f"restore {res['restore_policy']}")
     head = f"{'device_blocks':>13} {'block_hit':>9} {'token_hit':>9}"
     if tiers:
-        head += f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'read_GiB':>9} {'write_GiB':>9}"
+        head += (f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'recomp':>7} {'read_GiB':>9}"
+                 f" {'write_GiB':>9} {'restore_s':>10}")
     head += f" {'saved_s':>10} {'oversized':>9} {'sim_s':>6}"
     print(head)
     for p in res["points"]:
         line = f"{p['device_blocks']:>13} {p['block_hit_rate']:>9.4f} {p['token_hit_rate']:>9.4f}"
         if tiers:
-            read = (p["bytes_host_to_device"] + p["bytes_disk_to_device"]) / 2**30
-            write = (p["bytes_device_to_host"] + p["bytes_host_to_disk"]) / 2**30
+            read = (p["host_bytes_read"] + p["disk_bytes_read"]) / 2**30
+            write = (p["host_bytes_written"] + p["disk_bytes_written"]) / 2**30
             line += (f" {p['device_block_hit_rate']:>8.4f} {p['host_block_hit_rate']:>8.4f}"
-                     f" {p['disk_block_hit_rate']:>8.4f} {read:>9.1f} {write:>9.1f}")
+                     f" {p['disk_block_hit_rate']:>8.4f} {p['recomputed_stored_blocks']:>7}"
+                     f" {read:>9.1f} {write:>9.1f} {p['restore_s']:>10.1f}")
         line += f" {p['prefill_saved_s']:>10.1f} {p['oversized_requests']:>9} {p['sim_seconds']:>6.2f}"
         print(line)
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvtier.bench.cli import run_bench
+
+    return run_bench(args)
+
+
+def _eval_kv(args: argparse.Namespace) -> int:
+    from kvtier.eval.kv_drift import EvalKVConfig, evaluate_kv, format_table, plot
+
+    cfg = EvalKVConfig(model=args.model, text=args.text, kv_dtypes=args.kv_dtypes,
+                       context_lengths=args.context_lengths, dtype=args.dtype, score_tokens=args.score_tokens,
+                       num_windows=args.num_windows, block_size=args.block_size, device=args.device,
+                       tokenizer=args.tokenizer)
+    result = evaluate_kv(cfg, log=lambda line: print(f"kvtier: {line}", file=sys.stderr))
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except ImportError:
+            print("kvtier: --plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        else:
+            print(f"kvtier: wrote {args.plot}", file=sys.stderr)
+    print(json.dumps(result.to_json()) if args.json else format_table(result))
+    return 0
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            values.append(_positive_int(part))
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return tuple(values)
+
+
+def _kv_dtype_list(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    bad = [n for n in names if n not in KV_CACHE_DTYPES or n == "auto"]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"invalid KV dtype {bad[0] if bad else text!r} (choose from {', '.join(KV_CACHE_DTYPES[1:])})")
+    return names
 
 
 def _port(text: str) -> int:
@@ -407,22 +479,85 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("simulate", help="replay a Mooncake-format trace through the prefix cache (no model)",
                        description="Replays a trace (JSONL: timestamp, input_length, output_length, hash_ids) "
                        "through kvtier's own BlockPool + PrefixIndex at one or more device capacities and "
-                       "reports block and token hit rates, optionally with host/disk tiers below.")
+                       "reports block and token hit rates, optionally with the engine's host/disk tier "
+                       "hierarchy below (its write policy, promotion and demotion) and its restore-or-recompute "
+                       "cost model at given speeds: hits per tier, bytes moved, prefill time saved.")
     m.add_argument("trace", help="JSONL trace file")
     m.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per hash id (default 512)")
     m.add_argument("--device-blocks", "--sweep", dest="device_blocks", action="append", metavar="N1,N2,...",
                    help="device pool capacities in blocks (comma-separated, repeatable; --sweep is a synonym)")
     m.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="device eviction policy (default lru)")
-    m.add_argument("--host-blocks", type=_positive_int, default=None, help="host tier capacity in blocks")
-    m.add_argument("--disk-blocks", type=_positive_int, default=None, help="disk tier capacity in blocks")
+    host = m.add_mutually_exclusive_group()
+    host.add_argument("--host-blocks", type=_positive_int, default=None, help="host tier capacity in blocks")
+    host.add_argument("--host-bytes", type=_size, default=None, metavar="SIZE",
+                      help="host tier capacity in bytes (e.g. 64GiB), as the engine's --host-cache-bytes")
+    disk = m.add_mutually_exclusive_group()
+    disk.add_argument("--disk-blocks", type=_positive_int, default=None, help="disk tier capacity in blocks")
+    disk.add_argument("--disk-bytes", type=_size, default=None, metavar="SIZE",
+                      help="disk tier capacity in bytes; an entry is a block plus a 100-byte header")
+    m.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
+                   help="when blocks go down to the tiers, as the engine's --cache-write-policy (default "
+                        "write_through)")
+    m.add_argument("--selective-min-hits", type=_positive_int, default=2,
+                   help="with --write-policy selective: device hits before a block is written down (default 2)")
+    m.add_argument("--restore-policy", choices=("cost", "always"), default="cost",
+                   help="cost: restore what the cost model says beats recomputing; always: every stored block")
     m.add_argument("--block-bytes", type=_size, default=None, metavar="SIZE",
                    help="KV bytes per block (default 12KiB x --block-tokens, the reference model)")
-    m.add_argument("--prefill-s-per-token", type=_positive_float, default=0.78e-3, metavar="SECONDS",
-                   help="prefill cost per token for the time-saved estimate (default 0.78e-3)")
+    speed = m.add_argument_group("speeds for the cost model (defaults: measured on the reference model, "
+                                    "docs/benchmarks.md)")
+    speed.add_argument("--host-gbps", type=_positive_float, default=7.2, metavar="GB/S",
+                       help="restore throughput from host, read + copy into the pool (default 7.2)")
+    speed.add_argument("--host-latency-ms", type=float, default=1e-3, metavar="MS",
+                       help="per restore touching host (default 0.001)")
+    speed.add_argument("--disk-gbps", type=_positive_float, default=1.85, metavar="GB/S",
+                       help="restore throughput from disk (default 1.85)")
+    speed.add_argument("--disk-latency-ms", type=float, default=0.1, metavar="MS",
+                       help="per restore touching disk (default 0.1)")
+    speed.add_argument("--prefill-s-per-token", type=_positive_float, default=0.78e-3, metavar="SECONDS",
+                       help="prefill cost per new token (default 0.78e-3)")
+    speed.add_argument("--prefill-s-per-token-pair", type=float, default=0.0, metavar="SECONDS",
+                       help="attention cost per (new, context) token pair: t = a*n + b*n*(c + n/2) "
+                            "(default 0)")
     m.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
     m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(func=_simulate, subparser=None)
+
+    from kvtier.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_bench_args
+
+    b = sub.add_parser("bench", help="benchmark kvtier or any OpenAI-compatible server with cache-heavy workloads",
+                       description=BENCH_DESCRIPTION)
+    add_bench_args(b)
+    add_engine_args(b)
+    b.set_defaults(func=_bench, subparser=b)
+
+    k = sub.add_parser("eval-kv", help="accuracy cost of each KV cache dtype: perplexity, KL, top-1 agreement",
+                       description="Runs windows of a text through the model with each KV dtype and with "
+                       "full-precision KV, over context lengths. The last S tokens of each window are scored "
+                       "at every length L: the window's last L + 1 tokens run as one prefill of L - S tokens, "
+                       "then S teacher-forced decode steps that read every earlier token's KV from the paged "
+                       "cache. Prints perplexity, mean KL(full || KV dtype) and top-1 agreement per KV dtype "
+                       "and length.")
+    k.add_argument("--model", required=True, help="Hugging Face model directory (use trained weights: "
+                   "drift on random weights means nothing)")
+    k.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
+    k.add_argument("--kv-dtypes", type=_kv_dtype_list, default=None, metavar="D1,D2,...",
+                   help="KV dtypes to compare (default: every supported one but the reference)")
+    k.add_argument("--context-lengths", type=_int_list, default=(128, 256, 512, 1024, 2048), metavar="L1,L2,...",
+                   help="context lengths in tokens (default 128,256,512,1024,2048)")
+    k.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="model dtype; the reference KV is this dtype (default float32)")
+    k.add_argument("--score-tokens", type=_positive_int, default=64,
+                   help="scored decode positions per window and length (default 64)")
+    k.add_argument("--num-windows", type=_positive_int, default=8, help="windows of the text (default 8)")
+    k.add_argument("--block-size", type=_positive_int, default=16,
+                   help="tokens per KV block: quantized KV keeps one scale per block and KV head (default 16)")
+    k.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
+    k.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: --model)")
+    k.add_argument("--plot", default=None, metavar="FILE.png", help="write perplexity / KL / top-1 vs context length")
+    k.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    k.set_defaults(func=_eval_kv, subparser=None)
     return parser
 
 

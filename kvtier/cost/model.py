@@ -50,13 +50,21 @@ class TierSpeed:
     job_s: Ema = field(default_factory=lambda: Ema(0.2))
     default_lookup_s: float = 1e-4
     default_bytes_per_s: float = 1e9
+    frozen: bool = False
+    """Ignore measurements (the simulator pins speeds it was given; its own I/O is no I/O)."""
 
     def observe_read(self, num_bytes: int, seconds: float) -> None:
-        if num_bytes > 0 and seconds > 0:
+        if num_bytes > 0 and seconds > 0 and not self.frozen:
             self.read_bytes_per_s.update(num_bytes / seconds)
 
     def observe_lookup(self, seconds: float) -> None:
-        self.lookup_s.update(max(seconds, 0.0))
+        if not self.frozen:
+            self.lookup_s.update(max(seconds, 0.0))
+
+    def observe_job(self, seconds: float) -> None:
+        """Wall time of one load job on this tier (queue estimates)."""
+        if not self.frozen:
+            self.job_s.update(seconds)
 
     def read_s(self, num_bytes: int) -> float:
         return num_bytes / self.read_bytes_per_s.get(self.default_bytes_per_s)
@@ -119,6 +127,19 @@ class TierRun:
     num_blocks: int
 
 
+def take_runs(runs: list[TierRun], num_blocks: int) -> list[TierRun]:
+    """The leading `num_blocks` blocks of `runs`, as runs (what a decision restores)."""
+    out: list[TierRun] = []
+    left = num_blocks
+    for run in runs:
+        if left <= 0:
+            break
+        take = min(run.num_blocks, left)
+        out.append(TierRun(run.tier, take))
+        left -= take
+    return out
+
+
 @dataclass(slots=True)
 class RestoreDecision:
     num_blocks: int
@@ -147,6 +168,25 @@ class CostModel:
         self.prefill = PrefillEstimator()
         self.queue_s: dict[str, float] = {name: 0.0 for name in tier_names}
         """Expected wait before a new job starts on each tier (set by the I/O scheduler)."""
+
+    @classmethod
+    def fixed(cls, block_bytes: int, block_size: int, *, read_bytes_per_s: dict[str, float],
+              latency_s: dict[str, float], prefill_s_per_token: float,
+              prefill_s_per_token_pair: float = 0.0, h2d_bytes_per_s: float = float("inf")) -> CostModel:
+        """A model with given speeds that measurements never move (the simulator's: it has no
+        I/O to measure). `h2d_bytes_per_s` infinite: the tier figures are whole restores
+        (read + copy into the pool)."""
+        cm = cls(list(read_bytes_per_s), block_bytes, block_size, h2d_bytes_per_s)
+        for name, bw in read_bytes_per_s.items():
+            if bw <= 0 or latency_s[name] < 0:
+                raise ValueError(f"tier {name}: need bandwidth > 0 and latency >= 0")
+            speed = cm.tiers[name]
+            speed.read_bytes_per_s.value = bw
+            speed.lookup_s.value = latency_s[name]
+            speed.frozen = True
+        cm.prefill = PrefillEstimator(a=prefill_s_per_token, b=prefill_s_per_token_pair)
+        cm.prefill.frozen = True
+        return cm
 
     def restore_s(self, per_tier: dict[str, int]) -> float:
         t = 0.0

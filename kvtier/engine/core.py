@@ -17,6 +17,7 @@ from typing import Iterable
 import torch
 
 from kvtier.config import EngineConfig
+from kvtier.engine.drift import DriftConfig, DriftMonitor
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample
@@ -72,14 +73,16 @@ class _Group:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None,
+                 drift: DriftConfig | None = None) -> None:
         from kvtier.model.runner import ModelRunner
 
         self.config = config
         mc, cc = config.model, config.cache
         self.runner = runner or ModelRunner(
             mc.model, dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
-            num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed)
+            num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed,
+            kv_cache_dtype=cc.kv_cache_dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  cc.eviction_policy)
         self.tiers = None
@@ -106,6 +109,9 @@ class EngineCore:
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
         self._ids = itertools.count()
         self.step_stats = StepStats()
+        drift = drift or DriftConfig()
+        self.drift = DriftMonitor(drift, self.runner) if drift.enabled else None
+        """The online KV drift monitor (kvtier.engine.drift); None at sample rate 0."""
         self.tenant_ttl_s: dict[str | None, float] = {}
         if self.tiers is not None:
             from kvtier.engine.calibrate import calibrate
@@ -139,6 +145,8 @@ class EngineCore:
             req.remote_lookup = self.tiers.submit_remote_lookup(req.tier_keys)
         self.scheduler.add_request(req)
         self._groups[request_id] = group
+        if self.drift is not None:
+            self.drift.sample(request_id, ids)
         return request_id
 
     def _check_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
@@ -196,6 +204,8 @@ class EngineCore:
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
+        if self.drift is not None and self.drift.num_pending:
+            self.drift.run_pending(max_items=1)  # a request finished earlier: its outputs are out
         st = self.step_stats
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
@@ -217,6 +227,8 @@ class EngineCore:
         samples = sample(logits, rows) if rows else []
         t3 = time.perf_counter()
         sampled = {key: s.token_id for key, s in zip(self._row_keys, samples)}
+        if self.drift is not None:
+            self._record_drift(out, logits)
         finished = self.scheduler.update_from_output(out, sampled)
         moved = self._process(out, samples, forks, finished)
         if self.tiers is not None:
@@ -228,7 +240,20 @@ class EngineCore:
         st.sample_s += t3 - t2
         st.update_s += t4 - t3
         st.num_batched_tokens += out.num_batched_tokens
+        if self.drift is not None and not self._groups:
+            self.drift.run_pending()  # going idle: no later step would pick these up
         return moved
+
+    def _record_drift(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Served logits of tracked requests; row r of `logits` is the r-th sampled seq."""
+        r = 0
+        for seq in out.seqs:
+            if not seq.sample:
+                continue
+            if self.drift.is_tracked(seq.req_id):
+                req = self.scheduler.requests[seq.req_id]
+                self.drift.record(seq.req_id, len(req.output_token_ids), logits[r])
+            r += 1
 
     # ------------------------------------------------------------------ tiers
     def _store_blocks(self) -> None:
@@ -463,6 +488,8 @@ class EngineCore:
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         out = self._output(group)
+        if self.drift is not None:
+            self.drift.finish(group.request_id, group.seqs[0].output_token_ids)
         self._groups.pop(group.request_id, None)
         for req in group.seqs:
             self._seq_group.pop(req.req_id, None)

@@ -7,7 +7,10 @@ KV pool layout (owned by the runner, one allocation for all layers)::
 
 A token at position p of a sequence with block table bt lives at
 slot = bt[p // block_size] * block_size + p % block_size of the flattened
-[num_blocks * block_size] axis. Backends receive one layer's `kv_cache` view.
+[num_blocks * block_size] axis. Backends receive one layer's `kv_cache` view: a plain tensor
+when the KV dtype is the model dtype, else a `QuantizedKVCache` (kvtier.model.kv_quant) holding
+that view in the storage dtype plus per-(K/V, KV head, block) scales; `write_kv` quantizes into
+it and every read goes through `gather_kv`, which dequantizes only the gathered blocks.
 Heads outside blocks: a gather of blocks yields, per KV head, one contiguous [tokens, head_dim]
 matrix, the layout SDPA reads fastest (decode attention of 64 sequences: 30% less time than with
 a token-major [num_blocks, block_size, num_kv_heads, head_dim] layout).
@@ -17,8 +20,9 @@ zero weight if the values they multiply are finite.
 
 Within one step, the flattened tokens of all sequences are split into
   - "prefill" sequences (more than one query token): attended one at a time with SDPA;
-    from position 0 directly over the new k/v (is_causal), otherwise over the gathered
-    blocks with a causal mask shifted by start_pos;
+    from position 0 directly over the new k/v (is_causal) -- over the gathered, dequantized
+    blocks when the cache is quantized, so a prefix hit sees exactly what a recompute sees --
+    otherwise over the gathered blocks with a causal mask shifted by start_pos;
   - "decode" sequences (exactly one query token): batched into one padded gather and one
     SDPA call with a length mask.
 """
@@ -33,7 +37,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvtier.model.kv_quant import QuantizedKVCache, WritePlan
 from kvtier.sched.output import ScheduledSeq
+
+KVCache = torch.Tensor | QuantizedKVCache
+"""One layer's paged KV cache as backends receive it (see the module docstring)."""
 
 
 @dataclass(slots=True)
@@ -46,8 +54,9 @@ class PrefillSeq:
     start_pos: int
     seq_len: int
     """Context length after this step (start_pos + query tokens)."""
-    block_ids: torch.Tensor | None
-    """[ceil(seq_len / block_size)] long; None when start_pos == 0 (attend over the new k/v)."""
+    block_ids: torch.Tensor
+    """[ceil(seq_len / block_size)] long (unused when start_pos == 0 and the cache is not quantized:
+    then attention reads the new k/v)."""
     mask: torch.Tensor | None
     """Causal mask shifted by start_pos, True = visible: [G * n, seq_len] when `folded`, else
     [n, seq_len]; None when start_pos == 0 (SDPA's is_causal does it)."""
@@ -84,6 +93,9 @@ class AttentionMetadata:
     """[num_seqs] the scheduler's block tables (not copied)."""
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
+    write_plan: WritePlan | None = None
+    """Blocks touched by this step's writes; built by the first quantized `write_kv`, shared by the
+    other layers."""
 
 
 class AttentionBackend(ABC):
@@ -101,8 +113,9 @@ class AttentionBackend(ABC):
     ) -> AttentionMetadata: ...
 
     @abstractmethod
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v: [T, num_kv_heads, head_dim]; kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]."""
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+        """k, v: [T, num_kv_heads, head_dim]; kv_cache: [2, num_kv_heads, num_blocks, block_size, head_dim]
+        (or a QuantizedKVCache of that shape)."""
 
     @abstractmethod
     def forward(
@@ -110,7 +123,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (already in kv_cache).
@@ -201,10 +214,10 @@ class TorchPagedAttention(AttentionBackend):
         block_size: int,
         device: torch.device,
     ) -> PrefillSeq:
-        if start == 0:
-            return PrefillSeq(token_start, token_end, start, end, None, None, folded=False)
         num_blocks = -(-end // block_size)
         block_ids = long_tensor(table[:num_blocks], device)
+        if start == 0:
+            return PrefillSeq(token_start, token_end, start, end, block_ids, None, folded=False)
         # query i sits at position start + i and sees keys 0 .. start + i
         query_pos = torch.arange(start, end, device=device)
         mask = torch.arange(end, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
@@ -233,7 +246,12 @@ class TorchPagedAttention(AttentionBackend):
 
     # -- per layer --------------------------------------------------------------------------
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
+        if isinstance(kv_cache, QuantizedKVCache):
+            if meta.write_plan is None and kv_cache.scales is not None and kv_cache.static_scales is None:
+                meta.write_plan = WritePlan.build(meta.slot_mapping, meta.block_size)
+            kv_cache.write(k, v, meta.slot_mapping, meta.write_plan)
+            return
         num_slots = kv_cache.shape[2] * kv_cache.shape[3]
         # [2, Hkv, num_blocks, block_size, D] -> [2, Hkv, num_slots, D]
         flat = kv_cache.view(2, self.num_kv_heads, num_slots, self.head_dim)
@@ -245,7 +263,7 @@ class TorchPagedAttention(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -266,18 +284,23 @@ class TorchPagedAttention(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         p: PrefillSeq,
     ) -> torch.Tensor:
         num_new = p.token_end - p.token_start
         q = q[p.token_start : p.token_end]  # [n, Hq, D]
+        if p.mask is None and isinstance(kv_cache, QuantizedKVCache):
+            # attend over what the cache holds (dequantized), as a later prefix hit will
+            kv = gather_kv(kv_cache, p.block_ids, q.dtype)
+            kv = kv.view(2, self.num_kv_heads, -1, self.head_dim)[:, :, : p.seq_len]
+            return self._attend_repeated(q, kv[0], kv[1], mask=None)
         if p.mask is None:
             # the whole context is new: attend over the new k/v, no gather, no mask
             k = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, n, D]
             v = v[p.token_start : p.token_end].transpose(0, 1)
             return self._attend_repeated(q, k, v, mask=None)
         # gather the blocks: [2, Hkv, nb, bs, D] -> [2, Hkv, seq_len, D]
-        kv = kv_cache.index_select(2, p.block_ids)
+        kv = gather_kv(kv_cache, p.block_ids, q.dtype)
         kv = kv.view(2, self.num_kv_heads, -1, self.head_dim)[:, :, : p.seq_len]
         if not p.folded:
             return self._attend_repeated(q, kv[0], kv[1], mask=p.mask)
@@ -296,12 +319,12 @@ class TorchPagedAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return out[0].transpose(0, 1).reshape(q.shape[2], -1)  # [1, Hq, n, D] -> [n, Hq * D]
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeBatch, block_size: int) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, d: DecodeBatch, block_size: int) -> torch.Tensor:
         batch, max_blocks = d.block_tables.shape
         if q.shape[0] != batch:
             q = q.index_select(0, d.token_idx)  # [B, Hq, D]
         q = q.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)  # [B, Hkv, G, D]
-        kv = kv_cache.index_select(2, d.block_tables.view(-1))  # [2, Hkv, B * max_blocks, bs, D]
+        kv = gather_kv(kv_cache, d.block_tables.view(-1), q.dtype)  # [2, Hkv, B * max_blocks, bs, D]
         kv = kv.view(2, self.num_kv_heads, batch, max_blocks * block_size, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=d.mask)  # [B, Hkv, G, D]
         return out.reshape(batch, -1)
@@ -316,6 +339,13 @@ class TorchPagedAttention(AttentionBackend):
         """[Hkv, G * n, D] -> [n, Hq * D]."""
         out = out.view(self.num_kv_heads, self.num_queries_per_kv, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks `block_ids` [n] of one layer's K and V: [2, Hkv, n, block_size, D] in `dtype`."""
+    if isinstance(kv_cache, QuantizedKVCache):
+        return kv_cache.gather(block_ids, dtype)
+    return kv_cache.index_select(2, block_ids)
 
 
 def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.model.attention import AttentionBackend, AttentionMetadata
+from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
 
 
@@ -146,7 +146,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -188,7 +188,7 @@ class DecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -238,10 +238,11 @@ class DecoderLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [T] long; kv_caches[l] [2, num_blocks, block_size, Hkv, D].
+        """input_ids, positions [T] long; kv_caches[l] [2, Hkv, num_blocks, block_size, D] (a tensor, or
+        a QuantizedKVCache when the KV dtype is not the model dtype: see kvtier.model.attention).
         Returns hidden states [T, hidden] (final norm not applied)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, h.dtype)  # [T, 1, D/2], shared by all layers

@@ -115,6 +115,47 @@ def load_model(
     return model.eval()
 
 
+def read_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]] | None:
+    """Static per-layer (k_scale, v_scale) of a checkpoint quantized for an fp8 KV cache, else None.
+
+    Follows vLLM's naming: `model.layers.{i}.self_attn.k_scale` / `v_scale` (or one `kv_scale` for
+    both), scalars with x ~= fp8_e4m3 * scale. A checkpoint that has them for some layers only is
+    an error: half-calibrated KV would silently lose accuracy.
+    """
+    found: dict[str, float] = {}
+    kinds = ("k_scale", "v_scale", "kv_scale")
+    wanted = {f"model.layers.{i}.self_attn.{kind}" for i in range(num_layers) for kind in kinds}
+    for path in safetensors_files(model_dir):
+        names = [n for n in _read_header(path)[1] if n in wanted]
+        if not names:
+            continue
+        with safe_open(str(path), framework="pt", device="cpu") as reader:
+            for name in names:
+                tensor = reader.get_tensor(name)
+                if tensor.numel() != 1:
+                    raise ModelLoadError(
+                        f"{str(model_dir)!r}: {name} has {tensor.numel()} values; kvtier reads per-layer "
+                        f"(scalar) KV scales only"
+                    )
+                found[name] = float(tensor.float().item())
+    if not found:
+        return None
+    scales: list[tuple[float, float]] = []
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        both = found.get(prefix + "kv_scale")
+        k, v = found.get(prefix + "k_scale", both), found.get(prefix + "v_scale", both)
+        if k is None or v is None:
+            raise ModelLoadError(
+                f"{str(model_dir)!r}: KV scales are missing for layer {i} ({prefix}k_scale / v_scale); "
+                f"the checkpoint is incompletely calibrated"
+            )
+        if not (k > 0 and v > 0) or k == float("inf") or v == float("inf"):
+            raise ModelLoadError(f"{str(model_dir)!r}: layer {i} has invalid KV scales k={k}, v={v}")
+        scales.append((k, v))
+    return scales
+
+
 def _routes(model: DecoderLM, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint tensor name, destination view) for every tensor the model needs."""
     hq = arch.num_heads * arch.head_dim  # rows of q in qkv_proj

@@ -4,9 +4,18 @@
     logits = runner.execute(sched_out)   # float32 [num sampled seqs, vocab], in seq order
 
 KV pool: one zero-initialised tensor for all layers (layout: see kvtier.model.attention),
-    kv_pool [num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]
-in the model dtype; `kv_caches[l]` is layer l's view. Block b of every layer is
-`kv_pool[:, :, :, b]`, which is what `block_copies` and `read_blocks`/`write_blocks` move.
+    kv_pool   [num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]
+    kv_scales [num_layers, 2 (K, V), num_kv_heads, num_blocks] float32   (quantized KV only)
+in the storage dtype of `kv_cache_dtype` (default: the model dtype; see kvtier.model.kv_quant).
+`kv_caches[l]` is layer l's view: a plain tensor, or a `QuantizedKVCache` (pool view + scales view)
+when the KV dtype is not the model dtype. Block b of every layer is `kv_pool[:, :, :, b]` (plus
+`kv_scales[..., b]`), which is what `block_copies` and `read_block(s)`/`write_block(s)` move.
+
+What `read_block` returns, and so what tiers store: unquantized, the block's KV
+[num_layers, 2, num_kv_heads, block_size, head_dim] in the KV dtype; quantized, one packed uint8
+tensor [data bytes | scale bytes] (the data in the storage dtype, then the float32 scales
+[num_layers, 2, num_kv_heads]): the quantized form, so tiers hold and move half the bytes, and a
+restore is bit-exact. `kv_bytes_per_block` is that tensor's size.
 """
 
 from __future__ import annotations
@@ -17,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from kvtier.model.attention import AttentionBackend, TorchPagedAttention, long_tensor
+from kvtier.model.attention import AttentionBackend, KVCache, TorchPagedAttention, long_tensor
 from kvtier.model.hf_config import ArchConfig
+from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
 from kvtier.model.llama import DecoderLM, can_pack_linears
-from kvtier.model.loader import checkpoint_dtype, load_model, model_fingerprint
+from kvtier.model.loader import checkpoint_dtype, load_model, model_fingerprint, read_kv_scales
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -38,7 +48,7 @@ class ModelRunner:
 
     Args:
         model_dir: a local Hugging Face checkpoint (config.json + *.safetensors).
-        dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16"; also the KV dtype.
+        dtype: "auto" (the checkpoint's dtype), "float32", "bfloat16" or "float16".
         device: defaults to "cuda" when available, else "cpu".
         block_size: tokens per KV block.
         num_blocks / kv_cache_bytes: pool size, at most one of them; default: 25% of the
@@ -47,6 +57,10 @@ class ModelRunner:
         attn_backend: defaults to `TorchPagedAttention`.
         pack_weights: on CPU in bfloat16, pre-pack projection weights for oneDNN
             (same results, faster small batches).
+        kv_cache_dtype: how the KV cache stores tokens: "auto" (the model dtype), "bfloat16",
+            "float16", "float32", "fp8_e4m3", "fp8_e5m2" or "int8" (see kvtier.model.kv_quant).
+            Quantized dtypes keep a float32 scale per (layer, K/V, KV head, block), dynamic, or
+            the checkpoint's static per-layer k_scale / v_scale when it has them.
     """
 
     def __init__(
@@ -60,6 +74,7 @@ class ModelRunner:
         seed: int = 0,
         attn_backend: AttentionBackend | None = None,
         pack_weights: bool = True,
+        kv_cache_dtype: str | torch.dtype = "auto",
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -69,7 +84,9 @@ class ModelRunner:
         self.arch = ArchConfig.from_dir(self.model_dir)
         self.device = torch.device(device) if device is not None else _default_device()
         self.dtype = _resolve_dtype(dtype, self.arch, self.model_dir)
-        self.kv_dtype = self.dtype
+        self.kv_spec: KVDtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)
+        self.kv_cache_dtype: str = self.kv_spec.name  # resolved: "auto" becomes the model dtype's name
+        self.kv_dtype = self.kv_spec.storage  # the pool's dtype
         self.block_size = block_size
         if self.arch.sliding_window is not None and self.arch.sliding_window < self.arch.max_position_embeddings:
             logger.warning(
@@ -85,13 +102,19 @@ class ModelRunner:
         )
         if pack_weights and can_pack_linears(self.dtype, self.device):
             self.model.pack_linears()
-        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.kv_dtype, block_size)
+        # the KV dtype's name: quantized and full-precision entries never share a key
+        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.kv_spec.name, block_size)
 
-        # K and V, every layer, every KV head
-        elem_bytes = torch.empty((), dtype=self.kv_dtype).element_size()
+        # K and V, every layer, every KV head; quantized: + one float32 scale per block of each
         arch = self.arch
-        self.kv_bytes_per_token = 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * elem_bytes
-        self.kv_bytes_per_block = self.kv_bytes_per_token * block_size
+        num_kv_rows = 2 * arch.num_layers * arch.num_kv_heads
+        self.kv_data_bytes_per_block = num_kv_rows * block_size * arch.head_dim * self.kv_spec.elem_bytes
+        self.kv_scale_bytes_per_block = num_kv_rows * 4 if self.kv_spec.quantized else 0
+        self.kv_bytes_per_block = self.kv_data_bytes_per_block + self.kv_scale_bytes_per_block
+        self.kv_bytes_per_token: int | float = (
+            self.kv_bytes_per_block // block_size if self.kv_bytes_per_block % block_size == 0
+            else self.kv_bytes_per_block / block_size
+        )
         self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for(kv_cache_bytes)
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
@@ -100,7 +123,16 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
-        self.kv_caches: list[torch.Tensor] = list(self.kv_pool.unbind(0))
+        self.kv_scales: torch.Tensor | None = None
+        self.static_kv_scales = read_kv_scales(self.model_dir, arch.num_layers) if self.kv_spec.quantized else None
+        if self.kv_spec.quantized:
+            self.kv_scales = torch.zeros(
+                (arch.num_layers, 2, arch.num_kv_heads, self.num_blocks), dtype=torch.float32, device=self.device
+            )
+            if self.static_kv_scales is not None:
+                self._fill_static_scales(self.static_kv_scales)
+        self.kv_caches: list[KVCache] = self._layer_caches()
+        self._warm_up_kv_reads()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     # -- public ----------------------------------------------------------------------------
@@ -121,29 +153,111 @@ class ModelRunner:
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, sample_rows))
 
+    @property
+    def tokens_per_gib(self) -> float:
+        """KV tokens one GiB of pool holds (every layer, K and V, scales included)."""
+        return (1 << 30) / self.kv_bytes_per_block * self.block_size
+
     @torch.no_grad()  # not inference_mode: callers keep and reuse the copy outside it
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of blocks' KV: [len(block_ids), num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        """A copy of blocks' KV: [len(block_ids), num_layers, 2, num_kv_heads, block_size, head_dim];
+        quantized: [len(block_ids), kv_bytes_per_block] uint8, each row as `read_block` packs it."""
         index = long_tensor(block_ids, self.device)
-        return self.kv_pool.index_select(3, index).permute(3, 0, 1, 2, 4, 5).contiguous()
+        data = self.kv_pool.index_select(3, index).permute(3, 0, 1, 2, 4, 5).contiguous()
+        if self.kv_scales is None:
+            return data
+        scales = self.kv_scales.index_select(3, index).permute(3, 0, 1, 2).contiguous()
+        return torch.cat((data.view(torch.uint8).view(len(block_ids), -1),
+                          scales.view(torch.uint8).view(len(block_ids), -1)), dim=1)
 
     @torch.no_grad()
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        """Inverse of `read_blocks`: kv [len(block_ids), num_layers, 2, num_kv_heads, block_size, head_dim]."""
+        """Inverse of `read_blocks`."""
         index = long_tensor(block_ids, self.device)
-        self.kv_pool.index_copy_(3, index, kv.to(self.device, self.kv_dtype).permute(1, 2, 3, 0, 4, 5))
+        if self.kv_scales is None:
+            self.kv_pool.index_copy_(3, index, kv.to(self.device, self.kv_dtype).permute(1, 2, 3, 0, 4, 5))
+            return
+        data, scales = self._unpack(kv, len(block_ids))
+        # byte views: CPU index_copy_ has no float8 kernel
+        pool = self.kv_pool.view(torch.int8) if self.kv_dtype.itemsize == 1 else self.kv_pool
+        pool.index_copy_(3, index, data.view(pool.dtype).permute(1, 2, 3, 0, 4, 5))
+        self.kv_scales.index_copy_(3, index, scales.permute(1, 2, 3, 0))
 
     @torch.no_grad()
     def read_block(self, block_id: int) -> torch.Tensor:
-        """A contiguous copy of one block's KV, every layer: [num_layers, 2, num_kv_heads, block_size, head_dim]."""
-        return self.kv_pool[:, :, :, block_id].clone()
+        """A contiguous copy of one block's KV, every layer: [num_layers, 2, num_kv_heads, block_size, head_dim]
+        in the KV dtype; quantized: [kv_bytes_per_block] uint8 (data, then scales; see the module doc)."""
+        if self.kv_scales is None:
+            return self.kv_pool[:, :, :, block_id].clone()
+        packed = torch.empty(self.kv_bytes_per_block, dtype=torch.uint8, device=self.device)
+        data, scales = self._unpack(packed, None)  # views into `packed`
+        data.view(torch.int8).copy_(self.kv_pool[:, :, :, block_id].view(torch.int8))
+        scales.copy_(self.kv_scales[:, :, :, block_id])
+        return packed
 
     @torch.no_grad()
     def write_block(self, block_id: int, kv: torch.Tensor) -> None:
         """Inverse of `read_block` (a restore from a tier below)."""
-        self.kv_pool[:, :, :, block_id].copy_(kv)
+        if self.kv_scales is None:
+            self.kv_pool[:, :, :, block_id].copy_(kv)
+            return
+        data, scales = self._unpack(kv, None)
+        self.kv_pool[:, :, :, block_id].view(torch.int8).copy_(data.view(torch.int8))  # a byte copy
+        self.kv_scales[:, :, :, block_id].copy_(scales)
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _layer_caches(self) -> list[KVCache]:
+        layers = self.kv_pool.unbind(0)
+        if self.kv_dtype == self.dtype:
+            return list(layers)  # native: attention reads and writes plain tensors
+        static = self.static_kv_scales
+        scales = self.kv_scales.unbind(0) if self.kv_scales is not None else [None] * len(layers)
+        return [
+            QuantizedKVCache(data, scale, self.kv_spec, static[layer] if static is not None else None)
+            for layer, (data, scale) in enumerate(zip(layers, scales))
+        ]
+
+    @torch.inference_mode()
+    def _warm_up_kv_reads(self) -> None:
+        """Compile the fused gather + dequantize now (one and several blocks: torch specialises a
+        size of 1), not inside the first requests' steps."""
+        cache = self.kv_caches[0]
+        if isinstance(cache, QuantizedKVCache) and cache.scales is not None:
+            for num_blocks in (1, 2):
+                cache.gather(torch.zeros(num_blocks, dtype=torch.long, device=self.device), self.dtype)
+
+    def _fill_static_scales(self, static: list[tuple[float, float]]) -> None:
+        """Checkpoint scales follow the fp8_e4m3 convention (x ~= fp8 * scale, i.e. calibrated
+        amax / 448); other quantized dtypes keep that amax: scale * 448 / qmax."""
+        factor = 448.0 / self.kv_spec.qmax
+        converted = [(k * factor, v * factor) for k, v in static]
+        self.static_kv_scales = converted
+        for layer, (k_scale, v_scale) in enumerate(converted):
+            self.kv_scales[layer, 0].fill_(k_scale)
+            self.kv_scales[layer, 1].fill_(v_scale)
+
+    def _unpack(self, packed: torch.Tensor, num_blocks: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed uint8 block(s) -> data [(n,) L, 2, Hkv, bs, D] (storage dtype), scales [(n,) L, 2, Hkv]."""
+        rows = 1 if num_blocks is None else num_blocks
+        if packed.dtype != torch.uint8 or packed.numel() != rows * self.kv_bytes_per_block:
+            raise ValueError(
+                f"a KV block of this runner (kv_cache_dtype={self.kv_spec.name}) is {self.kv_bytes_per_block} "
+                f"uint8 bytes; got {tuple(packed.shape)} {packed.dtype}: it was written with another kv_cache_dtype"
+            )
+        arch = self.arch
+        packed = packed.to(self.device)
+        if num_blocks is None:  # one block (a tier restore): views of the flat bytes, no copies
+            packed = packed.reshape(-1)
+            data = packed[: self.kv_data_bytes_per_block].view(self.kv_dtype)
+            scales = packed[self.kv_data_bytes_per_block :].view(torch.float32)
+            return (data.view(arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                    scales.view(arch.num_layers, 2, arch.num_kv_heads))
+        packed = packed.view(rows, self.kv_bytes_per_block)
+        data = packed[:, : self.kv_data_bytes_per_block].contiguous().view(self.kv_dtype)
+        scales = packed[:, self.kv_data_bytes_per_block :].contiguous().view(torch.float32)
+        return (data.view(rows, arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                scales.view(rows, arch.num_layers, 2, arch.num_kv_heads))
 
     def _copy_blocks(self, copies: list[BlockCopy]) -> None:
         for c in copies:
@@ -153,6 +267,8 @@ class ModelRunner:
                 continue
             # [L, 2, Hkv, n, D]: all layers, K and V, in one copy
             self.kv_pool[:, :, :, c.dst_block, : c.num_tokens] = self.kv_pool[:, :, :, c.src_block, : c.num_tokens]
+            if self.kv_scales is not None:  # the copied tokens keep their scale; new ones grow it
+                self.kv_scales[:, :, :, c.dst_block] = self.kv_scales[:, :, :, c.src_block]
 
     def _prepare_inputs(
         self, seqs: list[ScheduledSeq]

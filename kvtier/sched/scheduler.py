@@ -214,6 +214,8 @@ class Scheduler:
         if keys is None or len(keys) < num_full:
             keys = req.tier_keys = chain_keys(req.root_key, tokens, bs, num_blocks=num_full)
         d = len(match.block_ids)
+        if d:
+            self.tiers.touch(keys[:d])
         remote = req.remote_lookup.result() if req.remote_lookup is not None else 0
         runs = self.tiers.runs(keys[:num_full], d, remote)
         decision = self.tiers.cost.decide(d * bs, runs, len(tokens),

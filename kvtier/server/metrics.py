@@ -25,6 +25,14 @@ several apps (tests) live in one process.
     kvtier:recomputed_tokens_total              -               prompt tokens computed
     kvtier:time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds
     kvtier:num_requests_running / _waiting / _loading
+    kvtier:kv_drift_kl                          -               mean KL(full-precision KV || served),
+                                                                nats per compared token (sampled requests)
+    kvtier:kv_drift_kl_max                      -               largest KL of one token
+    kvtier:kv_drift_top1_agreement              -               fraction of tokens whose argmax agrees
+    kvtier:kv_drift_samples_total / _tokens_total  -            requests / tokens compared
+    kvtier:kv_drift_request_kl                  -               histogram of per-request mean KL
+    kvtier:kv_drift_shadow_seconds_total        -               time spent in shadow forward passes
+(the kv_drift series exist only with --kv-drift-sample-rate > 0; see kvtier.engine.drift)
 
 Device queries count prompt tokens matched against the device index; a tier's queries count the
 tokens (blocks x block size) asked of it after the device missed, so hits/queries is each tier's
@@ -36,7 +44,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvtier.outputs import RequestOutput
@@ -120,6 +128,31 @@ class EngineCollector(Collector):
         yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting))
         yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.",
                      len(sched.loading))
+        drift = getattr(engine, "drift", None)
+        if drift is not None:
+            yield from _drift_metrics(drift.stats)
+
+
+def _drift_metrics(st: Any) -> Iterable[Metric]:
+    """The KV drift monitor's running aggregates (a kvtier.engine.drift.DriftStats)."""
+    from kvtier.engine.drift import KL_BUCKETS
+
+    yield _gauge("kv_drift_kl", "Mean KL divergence (nats) of served next-token distributions from "
+                 "full-precision KV ones, over the tokens of sampled requests.", st.mean_kl)
+    yield _gauge("kv_drift_kl_max", "Largest KL divergence (nats) of one compared token.", st.kl_max)
+    yield _gauge("kv_drift_top1_agreement", "Fraction of compared tokens whose most likely next token "
+                 "is the same with served and full-precision KV (1 when none compared yet).",
+                 st.top1_agreement)
+    yield _counter("kv_drift_samples", "Requests shadow-computed with full-precision KV.", st.num_samples)
+    yield _counter("kv_drift_tokens", "Generated tokens compared against full-precision KV.", st.num_tokens)
+    yield _counter("kv_drift_shadow_seconds", "Seconds spent in full-precision shadow passes.", st.shadow_s)
+    counts = list(st.kl_bucket_counts)
+    buckets, total = [], 0
+    for bound, n in zip([*map(str, KL_BUCKETS), "+Inf"], counts):
+        total += n
+        buckets.append((bound, total))
+    yield HistogramMetricFamily(PREFIX + "kv_drift_request_kl", "Per-request mean KL divergence (nats) "
+                                "from full-precision KV.", buckets=buckets, sum_value=st.request_kl_sum)
 
 
 class ServerMetrics:

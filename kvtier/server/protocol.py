@@ -80,6 +80,9 @@ class _SamplingFields(_Strict):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    return_token_ids: bool = False
+    """Add each choice's generated token ids (and, outside streams, the prompt's) to the
+    response; in a stream, each chunk carries the ids of the tokens it delivers."""
     # OpenAI fields accepted at their neutral value only
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None

@@ -114,46 +114,60 @@ def chat_logprobs(c: CompletionOutput, start: int, num_top: int,
 
 # ------------------------------------------------------------------ bodies
 def completion_body(request_id: str, model: str, created: int, outs: Sequence[RequestOutput], n: int,
-                    token_text: TokenText) -> dict[str, Any]:
+                    token_text: TokenText, return_token_ids: bool = False) -> dict[str, Any]:
     choices = []
     for p, o in enumerate(outs):
         for c in o.outputs:
-            choices.append({"index": p * n + c.index, "text": c.text,
-                            "logprobs": completion_logprobs(c, 0, 0, token_text),
-                            "finish_reason": finish_reason(c.finish_reason),
-                            "stop_reason": c.stop_reason})
+            choice = {"index": p * n + c.index, "text": c.text,
+                      "logprobs": completion_logprobs(c, 0, 0, token_text),
+                      "finish_reason": finish_reason(c.finish_reason),
+                      "stop_reason": c.stop_reason}
+            if return_token_ids:
+                choice["prompt_token_ids"] = list(o.prompt_token_ids)
+                choice["token_ids"] = list(c.token_ids)
+            choices.append(choice)
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "usage": usage(outs), "kvtier": kvtier_extras(outs)}
 
 
 def chat_body(request_id: str, model: str, created: int, out: RequestOutput, num_top: int,
-              token_text: TokenText) -> dict[str, Any]:
+              token_text: TokenText, return_token_ids: bool = False) -> dict[str, Any]:
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c, 0, num_top, token_text),
                 "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
                for c in out.outputs]
+    if return_token_ids:
+        for choice, c in zip(choices, out.outputs):
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+            choice["token_ids"] = list(c.token_ids)
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage([out]), "kvtier": kvtier_extras([out])}
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
                      reason: str | None, logprobs: dict[str, Any] | None = None,
-                     stop_reason: int | str | None = None) -> dict[str, Any]:
+                     stop_reason: int | str | None = None,
+                     token_ids: list[int] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
                               "finish_reason": finish_reason(reason)}
     if reason is not None:
         choice["stop_reason"] = stop_reason
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": request_id, "object": "text_completion", "created": created, "model": model,
             "choices": [choice]}
 
 
 def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any],
                reason: str | None, logprobs: dict[str, Any] | None = None,
-               stop_reason: int | str | None = None) -> dict[str, Any]:
+               stop_reason: int | str | None = None,
+               token_ids: list[int] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                               "finish_reason": finish_reason(reason)}
     if reason is not None:
         choice["stop_reason"] = stop_reason
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
     return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "choices": [choice]}
 

@@ -57,11 +57,12 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._stream_completion(request_id, created, streams, params, include_usage)
+            gen = self._stream_completion(request_id, created, streams, params, include_usage,
+                                          req.return_token_ids)
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
         return JSONResponse(R.completion_body(request_id, self.model_name, created, outs, req.n,
-                                              self.token_text))
+                                              self.token_text, req.return_token_ids))
 
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -90,7 +91,11 @@ class OpenAIServing:
         return self.tokenizer.encode(text)
 
     async def _stream_completion(self, request_id: str, created: int, streams: list[RequestStream],
-                                 params: list[SamplingParams], include_usage: bool) -> AsyncIterator[str]:
+                                 params: list[SamplingParams], include_usage: bool,
+                                 return_token_ids: bool = False) -> AsyncIterator[str]:
+        # a chunk per engine step with new tokens whenever the client can use one without text:
+        # logprobs or token ids asked for, or no tokenizer (every text delta empty), as vLLM does
+        per_step = return_token_ids or self.tokenizer is None
         finals: list[RequestOutput | None] = [None] * len(streams)
         texts: dict[int, StreamText] = {}
         sent_tokens: dict[int, int] = {}
@@ -107,14 +112,15 @@ class OpenAIServing:
                 delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
                 start = sent_tokens.get(idx, 0)
                 new_tokens = len(c.token_ids) > start
-                if not (delta or c.finished or (new_tokens and sp.logprobs is not None)):
+                if not (delta or c.finished or (new_tokens and (per_step or sp.logprobs is not None))):
                     continue
                 lp = R.completion_logprobs(c, start, len(st.sent) - len(delta), self.token_text)
                 sent_tokens[idx] = len(c.token_ids)
                 if c.finished:
                     done.add(idx)
                 yield R.sse(R.completion_chunk(request_id, self.model_name, created, idx, delta,
-                                               c.finish_reason, lp, c.stop_reason))
+                                               c.finish_reason, lp, c.stop_reason,
+                                               list(c.token_ids[start:]) if return_token_ids else None))
             if out.finished:
                 finals[p] = out
         if include_usage:
@@ -140,11 +146,12 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            gen = self._stream_chat(request_id, created, streams[0], params[0], num_top, include_usage)
+            gen = self._stream_chat(request_id, created, streams[0], params[0], num_top, include_usage,
+                                    req.return_token_ids)
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
         return JSONResponse(R.chat_body(request_id, self.model_name, created, outs[0], num_top,
-                                        self.token_text))
+                                        self.token_text, req.return_token_ids))
 
     def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
         from jinja2 import TemplateError
@@ -159,7 +166,8 @@ class OpenAIServing:
             raise APIError(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
 
     async def _stream_chat(self, request_id: str, created: int, stream: RequestStream,
-                           sp: SamplingParams, num_top: int, include_usage: bool) -> AsyncIterator[str]:
+                           sp: SamplingParams, num_top: int, include_usage: bool,
+                           return_token_ids: bool = False) -> AsyncIterator[str]:
         texts: dict[int, StreamText] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
@@ -176,7 +184,7 @@ class OpenAIServing:
                 delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
                 start = sent_tokens.get(c.index, 0)
                 new_tokens = len(c.token_ids) > start
-                if not (delta or c.finished or (new_tokens and sp.logprobs is not None)):
+                if not (delta or c.finished or (new_tokens and (return_token_ids or sp.logprobs is not None))):
                     continue
                 lp = R.chat_logprobs(c, start, num_top, self.token_text)
                 sent_tokens[c.index] = len(c.token_ids)
@@ -184,7 +192,8 @@ class OpenAIServing:
                     done.add(c.index)
                 yield R.sse(R.chat_chunk(request_id, self.model_name, created, c.index,
                                          {"content": delta} if delta else {}, c.finish_reason, lp,
-                                         c.stop_reason))
+                                         c.stop_reason,
+                                         list(c.token_ids[start:]) if return_token_ids else None))
             if out.finished:
                 final = out
         if include_usage and final is not None:

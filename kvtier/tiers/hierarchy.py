@@ -9,14 +9,19 @@ Write policies (when a computed block goes down):
     selective       once it has been hit `selective_min_hits` times on device
 
 Loads copy below-device hits into device blocks; disk and remote hits are promoted into host.
+
+The hierarchy is the policy *and* the I/O: the simulator (kvtier/sim) runs this same class with
+payload-free tiers and a serial executor (`tiers=`, `executor=`, and `_encode`/`_decode`
+overridden), so every placement decision it reports is this code's.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +34,7 @@ WRITE_POLICIES = ("write_through", "write_back", "selective")
 DEFAULT_OWNER = "_default"
 
 
+@functools.lru_cache(maxsize=4096)
 def owner_id(owner: str | None) -> str:
     """A tenant's name as stored beside its blocks: hashed, so names never reach the disk."""
     import hashlib
@@ -122,24 +128,23 @@ class HierarchyStats:
 
 class TierHierarchy:
     def __init__(self, config: TierConfig, *, fingerprint: bytes, block_bytes: int,
-                 block_size: int, cost: CostModel | None = None) -> None:
+                 block_size: int, cost: CostModel | None = None, tiers: dict[str, Any] | None = None,
+                 executor: Executor | None = None) -> None:
+        """`tiers`: ready-made tiers by name ("host", "disk", "remote") instead of those the
+        config describes (the simulator's payload-free ones); a host tier's `on_evict` is set
+        here. `executor`: runs loads and stores (default: `config.io_threads` worker threads)."""
         self.config = config
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
-        self.tiers: dict[str, Any] = {}
-        if config.host_cache_bytes:
-            from kvtier.tiers.host import HostTier
-            self.tiers["host"] = HostTier(config.host_cache_bytes, faults=config.fault_for("host"),
-                                          on_evict=self._on_host_evict)
-        if config.disk_cache_dir:
-            from kvtier.tiers.disk import DiskTier
-            self.tiers["disk"] = DiskTier(config.disk_cache_dir, config.disk_cache_bytes or 16 << 30,
-                                          fingerprint=fingerprint, faults=config.fault_for("disk"))
-        if config.remote_cache_url:
-            from kvtier.tiers.remote import RemoteTier
-            self.tiers["remote"] = RemoteTier(config.remote_cache_url, fingerprint=fingerprint,
-                                              ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
-                                              faults=config.fault_for("remote"))
+        if tiers is not None:
+            unknown = set(tiers) - set(TIER_ORDER)
+            if unknown:
+                raise ValueError(f"unknown tiers {sorted(unknown)}; tiers: {TIER_ORDER}")
+            self.tiers: dict[str, Any] = {name: tiers[name] for name in TIER_ORDER if name in tiers}
+            if "host" in self.tiers:
+                self.tiers["host"].on_evict = self._on_host_evict
+        else:
+            self.tiers = self._open_tiers(config, fingerprint)
         self.names = list(self.tiers)
         self.owner_quota: dict[str | None, tuple[int | None, int | None]] = {}
         """Per-tenant (host_bytes, disk_bytes) caps; a tenant over its cap loses its own oldest
@@ -151,12 +156,30 @@ class TierHierarchy:
             from kvtier.tiers.crypto import KeyStore
             self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
-        self._pool = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
+        self._pool = executor or ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
         self._lock = threading.Lock()
         self._pending_stores = 0
         self._inflight: dict[str, int] = {name: 0 for name in self.names}
         self.stats = HierarchyStats()
         self._closed = False
+
+    def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
+        """The tiers `config` describes, fastest first."""
+        tiers: dict[str, Any] = {}
+        if config.host_cache_bytes:
+            from kvtier.tiers.host import HostTier
+            tiers["host"] = HostTier(config.host_cache_bytes, faults=config.fault_for("host"),
+                                     on_evict=self._on_host_evict)
+        if config.disk_cache_dir:
+            from kvtier.tiers.disk import DiskTier
+            tiers["disk"] = DiskTier(config.disk_cache_dir, config.disk_cache_bytes or 16 << 30,
+                                     fingerprint=fingerprint, faults=config.fault_for("disk"))
+        if config.remote_cache_url:
+            from kvtier.tiers.remote import RemoteTier
+            tiers["remote"] = RemoteTier(config.remote_cache_url, fingerprint=fingerprint,
+                                         ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
+                                         faults=config.fault_for("remote"))
+        return tiers
 
     # ------------------------------------------------------------------ lookup
     @property
@@ -197,9 +220,36 @@ class TierHierarchy:
             p += n
         return runs
 
+    def touch(self, keys: list[bytes]) -> None:
+        """A device hit on `keys` (a prefix): refresh their host entries, head of the prefix
+        last (most recent), as a restore does. Without it, an inclusive host tier ages out
+        exactly the blocks that are hottest on device, and loses them for when the device
+        evicts them (the simulator measured 28.0% vs 28.8% block hits on the conversation
+        trace at 10k device blocks)."""
+        host = self.tiers.get("host")
+        if host is not None and keys:
+            host.touch(reversed(keys))
+
     # ------------------------------------------------------------------ load
     def _cipher(self, owner: str | None):
         return None if self.keys is None else self.keys.cipher(owner or DEFAULT_OWNER)
+
+    def _encode(self, kv: Any, key: bytes, owner: str | None) -> bytes:
+        """The frame a disk or remote tier stores for one block."""
+        from kvtier.tiers.codec import encode
+
+        return encode(kv, fingerprint=self.fingerprint, key=key, compression=self.config.compression,
+                      cipher=self._cipher(owner))
+
+    def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
+        """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode."""
+        from kvtier.tiers.codec import CodecError, decode
+
+        try:
+            return decode(data, fingerprint=self.fingerprint, key=key, cipher=self._cipher(owner))
+        except CodecError:
+            tier.report_corrupt(key)
+            return None
 
     def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
         """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
@@ -214,8 +264,6 @@ class TierHierarchy:
         return self._pool.submit(self._load, keys, plan, time.perf_counter(), owner)
 
     def _load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None = None) -> LoadResult:
-        from kvtier.tiers.codec import CodecError, decode
-
         t_start = time.perf_counter()
         out: list[Any] = []
         per_tier: dict[str, int] = {}
@@ -234,18 +282,12 @@ class TierHierarchy:
                         batch = [k for k, n in zip(keys[i:i + 32], plan[i:i + 32]) if n == "remote"]
                         prefetched.update(zip(batch, tier.get_many(batch)))
                     data = prefetched.pop(key) if key in prefetched else tier.get(key)
-                    kv = None
-                    if data is not None:
-                        try:
-                            kv = decode(data, fingerprint=self.fingerprint, key=key,
-                                        cipher=self._cipher(owner))
-                        except CodecError:
-                            tier.report_corrupt(key)
-                        else:
-                            host = self.tiers.get("host")
-                            if host is not None:
-                                host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
-                                self.stats.promotions += 1
+                    kv = None if data is None else self._decode(tier, data, key, owner)
+                    if kv is not None:
+                        host = self.tiers.get("host")
+                        if host is not None:
+                            host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
+                            self.stats.promotions += 1
                 tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
                 if kv is None:
                     self.stats.load_failures += 1
@@ -265,7 +307,7 @@ class TierHierarchy:
         self.stats.loads += 1
         end = time.perf_counter()
         for name in per_tier:
-            self.cost.tiers[name].job_s.update(end - t_start)
+            self.cost.tiers[name].observe_job(end - t_start)
         return LoadResult(out, per_tier, end - t_start, t_start - submitted)
 
     def _update_queue_estimates(self) -> None:
@@ -315,8 +357,6 @@ class TierHierarchy:
 
     def _store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
                names: list[str]) -> None:
-        from kvtier.tiers.codec import encode
-
         stored: dict[tuple[str, str | None], list[bytes]] = {}
         try:
             for key, kv, owner in zip(keys, tensors, owners):
@@ -326,8 +366,7 @@ class TierHierarchy:
                     if name == "disk" and tier.contains_prefix([key]):
                         continue
                     if data is None:
-                        data = encode(kv, fingerprint=self.fingerprint, key=key,
-                                      compression=self.config.compression, cipher=self._cipher(owner))
+                        data = self._encode(kv, key, owner)
                     if tier.put(key, data, self._remote_ttl(owner) if name == "remote" else None):
                         stored.setdefault((name, owner), []).append(key)
             for (name, owner), done in stored.items():

@@ -102,16 +102,19 @@ class HostTier:
         return kv
 
     def put(self, key: bytes, kv, nbytes: int) -> bool:
+        """Store `kv` as the most recent entry, evicting least recent ones until it fits (each
+        goes to `on_evict`). False when `nbytes` exceeds the capacity or a fault is injected."""
         if nbytes > self._capacity:
             return False
         t0 = time.perf_counter()
-        try:
-            self._faults.before_op()
-            self._faults.transfer(nbytes)
-        except Exception:
-            with self._lock:
-                self._stats.errors["injected"] = self._stats.errors.get("injected", 0) + 1
-            return False
+        if self._faults.config.active:
+            try:
+                self._faults.before_op()
+                self._faults.transfer(nbytes)
+            except Exception:
+                with self._lock:
+                    self._stats.errors["injected"] = self._stats.errors.get("injected", 0) + 1
+                return False
         evicted: list[tuple[bytes, object]] = []
         with self._lock:
             old = self._sizes.pop(key, None)

@@ -53,6 +53,18 @@ def test_chat_matches_offline_greedy(client, llm):
     assert resp.object == "chat.completion"
 
 
+def test_chat_return_token_ids(client, llm):
+    messages = [{"role": "user", "content": "Hi there"}]
+    ref = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = client.chat.completions.create(**kw).choices[0].model_dump()
+    assert choice["prompt_token_ids"] == ref.prompt_token_ids
+    assert choice["token_ids"] == ref.outputs[0].token_ids
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert [t for c in chunks for t in (c.choices[0].model_dump().get("token_ids") or [])] == choice["token_ids"]
+
+
 def test_token_id_prompts_and_batches(client, llm):
     ids = llm.tokenizer.encode("token ids in, text out")
     ref = llm.generate([ids, "second"], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -1,0 +1,121 @@
+"""A `kvtier serve` the harness starts itself, so the in-process engine is measured over the
+same HTTP path as any --url server.
+
+It runs as a child process on a free loopback port (not a thread of the harness): the client's
+event loop and the engine thread then do not share one interpreter lock, so client-side times
+are not inflated by the engine's Python work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SERVED_MODEL_NAME = "kvtier-bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
+    """`kvtier serve` flags for LLM keyword arguments as `kvtier.cli.main.engine_kwargs` builds
+    them (the engine and tier flag group)."""
+    flags: list[str] = []
+    for key, value in engine_kwargs.items():
+        if value is None:
+            continue
+        if key == "enable_prefix_caching":
+            if value is False:
+                flags.append("--no-prefix-caching")
+        elif key == "tier_faults":
+            for tier, spec in value.items():
+                flags += ["--tier-faults", f"{tier}={spec}"]
+        else:
+            flags += ["--" + key.replace("_", "-"), str(value)]
+    return flags
+
+
+@dataclass
+class ManagedServer:
+    url: str
+    proc: subprocess.Popen
+    log_path: Path
+    flags: list[str]
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+    def __enter__(self) -> "ManagedServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start(model: str, flags: list[str], log_path: Path, ready_timeout_s: float = 600.0) -> ManagedServer:
+    """Start `kvtier serve --model MODEL FLAGS` on a free loopback port; returns once /health
+    answers 200 (raises RuntimeError with the log's tail if it exits or never does)."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning", *flags]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+    server = ManagedServer(f"http://127.0.0.1:{port}", proc, log_path, flags)
+    deadline = time.monotonic() + ready_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvtier serve exited with {proc.returncode}; its log ({log_path}):\n"
+                               f"{server.log_tail()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+                return server
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"kvtier serve did not answer /health within {ready_timeout_s:.0f} s; "
+                       f"its log ({log_path}):\n{server.log_tail()}")
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, with the directory holding this kvtier package first on PYTHONPATH
+    (so the child runs the same kvtier, installed or not)."""
+    import kvtier
+
+    root = str(Path(kvtier.__file__).resolve().parents[1])
+    paths = [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def write_api_keys(path: Path, keys: dict[str, str]) -> Path:
+    """An `--api-keys` file mapping each key to its tenant (owner-only permissions)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"keys": keys}, f)
+    return path

@@ -1,0 +1,1 @@
+"""Offline evaluations of what the KV cache costs in accuracy (`kvtier eval-kv`)."""

@@ -1,0 +1,217 @@
+"""The engine's own tier hierarchy with no payloads and no threads, for trace replay.
+
+    simulator ──> SimHierarchy (= TierHierarchy: runs, loads, stores, promotion, demotion)
+                      │ host:  HostTier            (the engine's class; entries hold a marker)
+                      │ disk:  MemoryTier          (DiskTier's LRU index, no files)
+                      │ I/O:   SerialExecutor      (one worker, run in the caller's thread)
+                      v
+                  stats: TierStats per tier, HierarchyStats (the engine's counters)
+
+Only what carries no decision is replaced: tensors by a marker, frames by their size, files by
+an index, worker threads by a FIFO run in the caller's thread. A job submitted while another
+runs (a write-back demotion during a load's promotion) runs after it, as with one I/O thread.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from concurrent.futures import Executor
+from typing import Any, Callable, Iterable
+
+from kvtier.tiers.base import Tier
+from kvtier.tiers.hierarchy import TierHierarchy
+
+PAYLOAD = True
+"""What the simulator stores as a block's KV (the hierarchy only needs it to be non-None)."""
+
+
+class JobResult:
+    """The part of a Future the hierarchy's callers use (done, result, exception), without the
+    condition variable a thread-safe Future builds for every job."""
+
+    __slots__ = ("_value", "_exc", "_done")
+
+    def __init__(self) -> None:
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            raise RuntimeError("job not run yet: a job submitted by a job runs after it")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._exc
+
+
+class SerialExecutor(Executor):
+    """Runs submitted jobs in the caller's thread, one at a time, in submission order: what a
+    single I/O worker does when the caller waits for every result before going on. Returns
+    JobResult objects (done/result/exception), not Futures."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[JobResult, Callable[..., Any], tuple, dict]] = deque()
+        self._running = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        job = JobResult()
+        self._queue.append((job, fn, args, kwargs))
+        if not self._running:  # a job submitted by a running job waits for it, FIFO
+            self._running = True
+            try:
+                while self._queue:
+                    res, f, a, kw = self._queue.popleft()
+                    try:
+                        res._value = f(*a, **kw)
+                    except Exception as exc:  # like a worker thread: the result carries it
+                        res._exc = exc
+                    res._done = True
+            finally:
+                self._running = False
+        return job
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._queue.clear()
+
+
+class _Frame:
+    """Stands for an encoded block: only its size matters to a tier."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+
+class MemoryTier(Tier):
+    """DiskTier's index without the files: LRU within a byte capacity; `get` makes an entry the
+    most recent, `contains_prefix` does not; a put evicts least recent entries until the new
+    frame fits. tests/sim/test_sim_tiers.py holds it to DiskTier on the same operations.
+
+    Single-threaded and infallible: `contains_prefix`, `get` and `put` skip the health gate and
+    fault injection of Tier (nothing here fails) and count straight into the stats."""
+
+    def __init__(self, capacity_bytes: int, name: str = "disk") -> None:
+        super().__init__(name)
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self._capacity_bytes = int(capacity_bytes)
+        self._index: OrderedDict[bytes, Any] = OrderedDict()  # key -> frame, LRU first
+        self._usage_bytes = 0
+
+    # -- the hot operations, lean (same results and counters as Tier's, no locks or gate)
+    def contains_prefix(self, keys: list[bytes]) -> int:
+        n = self._contains_prefix(keys)
+        s = self._stats
+        s.lookups += len(keys)
+        s.lookup_hits += n
+        return n
+
+    def get(self, key: bytes) -> Any:
+        data = self._get(key)
+        s = self._stats
+        s.queries += 1
+        if data is not None:
+            s.hits += 1
+            s.bytes_read += len(data)
+        return data
+
+    def put(self, key: bytes, payload: Any, ttl_s: float | None = None) -> bool:
+        stored = self._put(key, payload, ttl_s)
+        if stored:
+            s = self._stats
+            s.puts += 1
+            s.bytes_written += len(payload)
+        return stored
+
+    # -- backend
+    def _contains_prefix(self, keys: list[bytes]) -> int:
+        index = self._index
+        for i, key in enumerate(keys):
+            if key not in index:
+                return i
+        return len(keys)
+
+    def _get(self, key: bytes) -> Any:
+        data = self._index.get(key)
+        if data is not None:
+            self._index.move_to_end(key)
+        return data
+
+    def _put(self, key: bytes, payload: Any, ttl_s: float | None) -> bool:
+        size = len(payload)
+        if size > self._capacity_bytes:
+            self._count_error("too_large")
+            return False
+        old = self._index.pop(key, None)
+        if old is not None:
+            self._usage_bytes -= len(old)
+        index = self._index
+        while self._usage_bytes > self._capacity_bytes - size and index:
+            _, frame = index.popitem(last=False)
+            self._usage_bytes -= len(frame)
+            self._stats.evictions += 1
+        index[key] = payload
+        self._usage_bytes += size
+        return True
+
+    def _delete(self, key: bytes) -> bool:
+        old = self._index.pop(key, None)
+        if old is None:
+            return False
+        self._usage_bytes -= len(old)
+        return True
+
+    def _keys(self) -> Iterable[bytes]:
+        return list(self._index)
+
+    def _clear(self) -> int:
+        n = len(self._index)
+        self._index.clear()
+        self._usage_bytes = 0
+        return n
+
+    @property
+    def usage_bytes(self) -> int:
+        return self._usage_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    # tenants: the simulator has none, the hierarchy still reports each store's owner
+    def record_owner(self, owner_id: str, keys: list[bytes]) -> None:
+        pass
+
+    def owner_keys(self, owner_id: str, written_before: float | None = None) -> list[bytes]:
+        return []
+
+    def forget_owner(self, owner_id: str) -> None:
+        pass
+
+
+class SimHierarchy(TierHierarchy):
+    """TierHierarchy whose disk/remote frames are sizes: `_encode` gives a frame of the codec's
+    size, `_decode` gives the marker back. Everything else is the engine's code."""
+
+    def __init__(self, *args: Any, frame_bytes: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._frame = _Frame(frame_bytes)
+
+    def _encode(self, kv: Any, key: bytes, owner: str | None) -> Any:
+        return self._frame
+
+    def _decode(self, tier: Any, data: Any, key: bytes, owner: str | None) -> Any | None:
+        return PAYLOAD
