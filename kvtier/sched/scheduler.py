@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvtier.cost.model import take_runs
 from kvtier.kvcache.keys import chain_keys
 from kvtier.kvcache.manager import KVCacheManager, cdiv
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
@@ -229,13 +230,7 @@ class Scheduler:
         restore_keys = keys[d:d + k]
         if not self.kv.allocate_restore(req.req_id, tokens, req.root_key, match, restore_keys, req.tenant):
             return False
-        plan, left = [], k
-        for run in runs:
-            take = min(run.num_blocks, left)
-            if take:
-                plan.append(type(run)(run.tier, take))
-            left -= take
-        req.load_future = self.tiers.submit_load(restore_keys, plan, owner=req.tenant)
+        req.load_future = self.tiers.submit_load(restore_keys, take_runs(runs, k), owner=req.tenant)
         req.restore_keys = restore_keys
         self.waiting.remove(req)
         self.loading.append(req)
