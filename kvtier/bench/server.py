@@ -21,6 +21,17 @@ from typing import Any
 SERVED_MODEL_NAME = "kvtier-bench"
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Terminate a server process, killing it if it does not exit within `timeout_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -59,13 +70,7 @@ class ManagedServer:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=5)
+        stop_process(self.proc)
 
     def __enter__(self) -> "ManagedServer":
         return self

@@ -78,13 +78,9 @@ def start_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: f
 
 
 def stop_server(server: Server) -> None:
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(timeout=5)
+    from kvtier.bench.server import stop_process
+
+    stop_process(server.proc, timeout_s=15)
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
