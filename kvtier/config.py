@@ -56,8 +56,31 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class DriftConfig:
+    """The online KV drift monitor (kvtier.engine.drift)."""
+
+    sample_rate: float = 0.0
+    """Fraction of requests shadow-computed with full-precision KV (0: off, no cost)."""
+    seed: int = 0
+    """Mixed into the per-request sampling hash."""
+    max_positions: int = 256
+    """Generated positions compared per sampled request (the first ones)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.sample_rate <= 1.0:
+            raise ValueError(f"kv_drift_sample_rate must be in [0, 1], got {self.sample_rate}")
+        if self.max_positions < 1:
+            raise ValueError(f"max_positions must be >= 1, got {self.max_positions}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sample_rate > 0.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)

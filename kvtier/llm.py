@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence, Union
 
-from kvtier.config import CacheConfig, EngineConfig, ModelConfig
+from kvtier.config import CacheConfig, DriftConfig, EngineConfig, ModelConfig
 from kvtier.engine.core import EngineCore
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -57,6 +57,7 @@ class LLM:
                              compression=cache_compression, restore_policy=restore_policy,
                              key_dir=kv_key_dir,
                              faults=tuple(sorted((tier_faults or {}).items()))),
+            drift=DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed),
         )
         tok = None
         if not skip_tokenizer_init:
@@ -64,10 +65,7 @@ class LLM:
             if (tok_dir / "tokenizer.json").is_file():
                 from kvtier.model.tokenizer import Tokenizer
                 tok = Tokenizer(tok_dir)
-        from kvtier.engine.drift import DriftConfig
-
-        drift = DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed)
-        self.engine = EngineCore(config, tokenizer=tok, drift=drift)
+        self.engine = EngineCore(config, tokenizer=tok)
         self.tokenizer = tok
         self.config = config
 

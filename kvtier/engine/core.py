@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from kvtier.config import EngineConfig
-from kvtier.engine.drift import DriftConfig, DriftMonitor
+from kvtier.engine.drift import DriftMonitor
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample
@@ -73,8 +73,7 @@ class _Group:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None,
-                 drift: DriftConfig | None = None) -> None:
+    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
         from kvtier.model.runner import ModelRunner
 
         self.config = config
@@ -109,8 +108,7 @@ class EngineCore:
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
         self._ids = itertools.count()
         self.step_stats = StepStats()
-        drift = drift or DriftConfig()
-        self.drift = DriftMonitor(drift, self.runner) if drift.enabled else None
+        self.drift = DriftMonitor(config.drift, self.runner) if config.drift.enabled else None
         """The online KV drift monitor (kvtier.engine.drift); None at sample rate 0."""
         self.tenant_ttl_s: dict[str | None, float] = {}
         if self.tiers is not None:
@@ -259,7 +257,7 @@ class EngineCore:
     def _store_blocks(self) -> None:
         todo = self.kv.take_blocks_to_store()
         if todo:
-            self.tiers.store([key for _, key, _ in todo], [self.runner.read_block(b) for b, _, _ in todo],
+            self.tiers.store([key for _, key, _ in todo], self.runner.read_block_list([b for b, _, _ in todo]),
                              [owner for _, _, owner in todo])
 
     def _write_loads(self, out: SchedulerOutput) -> None:
@@ -267,9 +265,10 @@ class EngineCore:
         if not out.block_loads:
             return
         t0 = time.perf_counter()
+        self.runner.write_block_list([block_id for _, block_id, _ in out.block_loads],
+                                     [kv for _, _, kv in out.block_loads])
         per_req: dict[str, int] = {}
-        for req_id, block_id, kv in out.block_loads:
-            self.runner.write_block(block_id, kv)
+        for req_id, _, _ in out.block_loads:
             per_req[req_id] = per_req.get(req_id, 0) + 1
         dt = time.perf_counter() - t0
         total = len(out.block_loads)

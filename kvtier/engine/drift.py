@@ -40,6 +40,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.config import DriftConfig  # noqa: F401 - re-exported: the monitor's configuration
+
 if TYPE_CHECKING:
     from kvtier.model.runner import ModelRunner
 
@@ -72,28 +74,6 @@ def divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[tor
 
 
 # -- configuration and stats ------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DriftConfig:
-    """The online KV drift monitor."""
-
-    sample_rate: float = 0.0
-    """Fraction of requests shadow-computed with full-precision KV (0: off, no cost)."""
-    seed: int = 0
-    """Mixed into the per-request sampling hash."""
-    max_positions: int = 256
-    """Generated positions compared per sampled request (the first ones)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.sample_rate <= 1.0:
-            raise ValueError(f"kv_drift_sample_rate must be in [0, 1], got {self.sample_rate}")
-        if self.max_positions < 1:
-            raise ValueError(f"max_positions must be >= 1, got {self.max_positions}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.sample_rate > 0.0
-
 
 @dataclass
 class DriftStats:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvtier.model import native
 from kvtier.model.kv_quant import QuantizedKVCache, WritePlan
 from kvtier.sched.output import ScheduledSeq
 
@@ -75,6 +76,8 @@ class DecodeBatch:
     """[B, max_blocks] long, padded with block 0 (masked out)."""
     mask: torch.Tensor
     """[B, 1, 1, max_blocks * block_size] bool: key j visible iff j < seq_len."""
+    seq_lens: torch.Tensor
+    """[B] long: context lengths after this step (the native kernel reads these, not the mask)."""
 
 
 @dataclass(slots=True)
@@ -94,8 +97,14 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     decode: DecodeBatch | None
     write_plan: WritePlan | None = None
-    """Blocks touched by this step's writes; built by the first quantized `write_kv`, shared by the
-    other layers."""
+    """Blocks touched by this step's writes (see `plan_writes`)."""
+
+    def plan_writes(self) -> WritePlan:
+        """The step's WritePlan, built by the first quantized write that needs one (the torch
+        path; the native kernel plans for itself) and shared by the other layers."""
+        if self.write_plan is None:
+            self.write_plan = WritePlan.build(self.slot_mapping, self.block_size)
+        return self.write_plan
 
 
 class AttentionBackend(ABC):
@@ -237,20 +246,20 @@ class TorchPagedAttention(AttentionBackend):
             row = table[:max_blocks]
             padded += row
             padded += [0] * (max_blocks - len(row))  # block 0 stands in; masked out
-        mask = torch.arange(max_blocks * block_size, device=device)[None, :] < long_tensor(lens, device)[:, None]
+        seq_lens = long_tensor(lens, device)
+        mask = torch.arange(max_blocks * block_size, device=device)[None, :] < seq_lens[:, None]
         return DecodeBatch(
             token_idx=long_tensor(rows, device),
             block_tables=long_tensor(padded, device).view(len(rows), max_blocks),
             mask=mask[:, None, None, :],
+            seq_lens=seq_lens,
         )
 
     # -- per layer --------------------------------------------------------------------------
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata) -> None:
         if isinstance(kv_cache, QuantizedKVCache):
-            if meta.write_plan is None and kv_cache.scales is not None and kv_cache.static_scales is None:
-                meta.write_plan = WritePlan.build(meta.slot_mapping, meta.block_size)
-            kv_cache.write(k, v, meta.slot_mapping, meta.write_plan)
+            kv_cache.write(k, v, meta.slot_mapping, meta.plan_writes)
             return
         num_slots = kv_cache.shape[2] * kv_cache.shape[3]
         # [2, Hkv, num_blocks, block_size, D] -> [2, Hkv, num_slots, D]
@@ -323,11 +332,38 @@ class TorchPagedAttention(AttentionBackend):
         batch, max_blocks = d.block_tables.shape
         if q.shape[0] != batch:
             q = q.index_select(0, d.token_idx)  # [B, Hq, D]
+        out = self._decode_native(q, kv_cache, d)
+        if out is not None:
+            return out
         q = q.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)  # [B, Hkv, G, D]
         kv = gather_kv(kv_cache, d.block_tables.view(-1), q.dtype)  # [2, Hkv, B * max_blocks, bs, D]
         kv = kv.view(2, self.num_kv_heads, batch, max_blocks * block_size, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=d.mask)  # [B, Hkv, G, D]
         return out.reshape(batch, -1)
+
+    def _decode_native(self, q: torch.Tensor, kv_cache: KVCache, d: DecodeBatch) -> torch.Tensor | None:
+        """Decode attention straight from the paged pool (kvtier/model/csrc/paged_attention.c);
+        None where the kernel does not apply (no AVX-512 build, another device or dtype)."""
+        lib = native.paged_attention_lib() if q.device.type == "cpu" else None
+        if lib is None or q.dtype not in _NATIVE_FLOAT:
+            return None
+        pool, scales = (kv_cache.data, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache) else (kv_cache, None)
+        kind = _NATIVE_KV.get(pool.dtype)
+        if kind is None or not pool.is_contiguous() or (scales is not None) != (kind <= _NATIVE_KV[torch.int8]):
+            return None
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        batch, max_blocks = d.block_tables.shape
+        _two, num_kv_heads, num_blocks, block_size, head_dim = pool.shape
+        rc = lib.kvt_decode_attention(
+            q.data_ptr(), _NATIVE_FLOAT[q.dtype], out.data_ptr(), pool.data_ptr(), kind,
+            scales.data_ptr() if scales is not None else None, d.block_tables.data_ptr(), max_blocks,
+            d.seq_lens.data_ptr(), batch, self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
+            head_dim ** -0.5,
+        )
+        if rc == _NATIVE_BAD_INDEX:
+            raise IndexError(f"decode attention: a block table or length is outside the pool of {num_blocks} blocks")
+        return out.view(batch, -1) if rc == 0 else None
 
     def _fold(self, q: torch.Tensor) -> torch.Tensor:
         """[n, Hq, D] -> [Hkv, G * n, D], row g * n + i = token i of query head kv * G + g."""
@@ -339,6 +375,13 @@ class TorchPagedAttention(AttentionBackend):
         """[Hkv, G * n, D] -> [n, Hq * D]."""
         out = out.view(self.num_kv_heads, self.num_queries_per_kv, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, -1)
+
+
+_NATIVE_FLOAT = {torch.float32: 0, torch.bfloat16: 1}
+"""q / out dtypes of the native decode kernel (its KVT_F32, KVT_BF16)."""
+_NATIVE_KV = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2, torch.float32: 3, torch.bfloat16: 4}
+"""KV storage dtypes of the native decode kernel (its KVS_*); the first three carry scales."""
+_NATIVE_BAD_INDEX = -1
 
 
 def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -19,24 +19,25 @@ is; a block whose scale must grow is rewritten whole (its earlier tokens requant
 scale = block amax / qmax); a write at a block's slot 0 starts the block afresh. Static per-layer
 scales (a checkpoint's `k_scale` / `v_scale`) replace the dynamic ones and never change.
 
-Reads (attention gathers) dequantize only the gathered blocks. On CPU, gather + convert + scale
-run as one `torch.compile`d loop (eager, that is 4-5 passes, and torch's own fp8 conversion is
-scalar); `dequantize`, the eager fallback, moves fp8 bits into the target float format with
-integer ops (sign-extend, shift, mask), which yields value * 2^-(bias difference) exactly, and
-folds 2^(bias difference) into the scale multiply. Every fp8 value, subnormals included, maps
-exactly; stored bytes are never NaN or inf because quantize saturates.
+Reads (attention gathers) dequantize only the gathered blocks, in float32 (value * scale, then
+the model dtype). fp8 becomes float32 without a float8 conversion: the byte, sign-extended and
+shifted, puts its exponent and mantissa in the low bits of float32's, which is the value times
+2^-(bias difference), exactly (subnormals too); the scale multiply restores the power of two.
+Stored bytes are never NaN or inf because quantize saturates.
+
+On CPU, writes and gathers of 1-byte dtypes run as native kernels (kvtier/model/csrc/kv_quant.c,
+one call per layer) that produce the same bytes as the torch ops here, which serve everywhere
+else (another device, no C compiler, `KVTIER_NO_NATIVE=1`).
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-logger = logging.getLogger(__name__)
+from kvtier.model import native
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
 
@@ -105,42 +106,25 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, kv_dtype: KVDtype) -> torch.T
     return q.to(kv_dtype.storage)
 
 
-# fp8 format -> (mantissa bits, exponent bias); target float -> (int view, mantissa bits, exponent bias)
-_FP8_LAYOUT = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
-_FLOAT_LAYOUT = {
-    torch.bfloat16: (torch.int16, 7, 127),
-    torch.float16: (torch.int16, 10, 15),
-    torch.float32: (torch.int32, 23, 127),
+_FP8_F32_BITS = {
+    # fp8 storage -> (left shift, mask, 2^(127 - fp8 exponent bias)): the byte sign-extended to int32
+    # and shifted puts the fp8 exponent and mantissa in the low bits of float32's; masked to sign +
+    # 7 magnitude bits, it is the fp8 value * 2^-(127 - bias), exactly (subnormals too)
+    torch.float8_e4m3fn: (20, 0x87F00000 - (1 << 32), 2.0**120),
+    torch.float8_e5m2: (21, 0x8FE00000 - (1 << 32), 2.0**112),
 }
 
 
-def _fp8_bit_cast(storage: torch.dtype, out_dtype: torch.dtype) -> tuple[int, int, float]:
-    """(left shift, mask, multiplier) such that view(out_dtype)((int(fp8 bits as int8) << shift) & mask)
-    * multiplier == the fp8 value. The fp8 exponent/mantissa land in the low bits of the target's
-    exponent/mantissa, so the result is the value times 2^-(bias_out - bias_fp8), normals and
-    subnormals alike (the target's exponent range covers fp8's)."""
-    mant_in, bias_in = _FP8_LAYOUT[storage]
-    int_dtype, mant_out, bias_out = _FLOAT_LAYOUT[out_dtype]
-    shift = mant_out - mant_in
-    bits = int_dtype.itemsize * 8
-    mask = (0x7F << shift) | (1 << (bits - 1))  # magnitude bits + the sign bit
-    if mask >= 1 << (bits - 1):
-        mask -= 1 << bits  # as a signed integer of the view's width
-    return shift, mask, 2.0 ** (bias_out - bias_in)
-
-
-def dequantize(data: torch.Tensor, scale: torch.Tensor, kv_dtype: KVDtype, out_dtype: torch.dtype) -> torch.Tensor:
-    """data (storage dtype) * scale -> out_dtype. `scale` [...] float32 broadcasts over data's
-    trailing dims after unsqueezing: pass it shaped to broadcast (e.g. [2, Hkv, n, 1, 1])."""
-    if data.dtype in _FP8_LAYOUT and out_dtype in _FLOAT_LAYOUT:
-        shift, mask, multiplier = _fp8_bit_cast(data.dtype, out_dtype)
-        int_dtype = _FLOAT_LAYOUT[out_dtype][0]
-        bits = data.view(torch.int8).to(int_dtype)  # sign-extends: bits above 7 copy the sign
-        bits.bitwise_left_shift_(shift).bitwise_and_(mask)
-        out = bits.view(out_dtype)
-        return out.mul_((scale * multiplier).to(out_dtype))
-    out = data.to(out_dtype)
-    return out.mul_(scale.to(out_dtype))
+def dequantize(data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """data (storage dtype) * scale -> out_dtype, computed in float32: exactly
+    `(data.float() * scale).to(out_dtype)`, with fp8 converted by integer ops (vectorised on CPU,
+    unlike torch's own fp8 conversion there). `scale` float32 broadcasts against data: pass it
+    shaped to (e.g. [2, Hkv, n, 1, 1]). The native gather computes the same bytes."""
+    if data.dtype in _FP8_F32_BITS:
+        shift, mask, unbias = _FP8_F32_BITS[data.dtype]
+        bits = data.view(torch.int8).to(torch.int32).bitwise_left_shift_(shift).bitwise_and_(mask)
+        return bits.view(torch.float32).mul_(scale * unbias).to(out_dtype)
+    return (data.to(torch.float32) * scale).to(out_dtype)
 
 
 def dequantize_reference(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -150,7 +134,7 @@ def dequantize_reference(data: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as int8 (same bytes): CPU index_copy_ has no float8 kernels."""
-    return t.view(torch.int8) if t.dtype in _FP8_LAYOUT else t
+    return t.view(torch.int8) if t.dtype in _FP8_F32_BITS else t
 
 
 # -- the per-layer cache ------------------------------------------------------------------------
@@ -206,49 +190,18 @@ def _requantize_blocks(
     return q.to(data.dtype), new_scale
 
 
-@functools.cache
-def _compiled(fn):
-    """fn through torch.compile (one fused loop instead of many passes), or None when disabled
-    or unavailable. Compiled once per process: seconds, cached on disk by torch.
-
-    Used for the gather + dequantize of attention reads: eager, that is 4-5 passes over the
-    gathered blocks (and torch's own fp8 conversion is scalar); fused, one vectorised loop."""
-    if os.environ.get(_NO_FUSE_ENV, "") not in ("", "0"):
-        return None
-    try:
-        return torch.compile(fn, dynamic=True)
-    except Exception:  # noqa: BLE001 - no compiler backend: eager ops work everywhere
-        logger.warning("torch.compile is unavailable; KV quantization runs unfused")
-        return None
-
-
-def _run_fused(fn, *args, eager=None):
-    """fn(*args), compiled on CPU when possible, else `eager(*args)` (default fn); a compiler
-    failure falls back to eager for good."""
-    compiled = _compiled(fn) if args[0].device.type == "cpu" else None
-    if compiled is not None:
-        try:
-            return compiled(*args)
-        except Exception:  # a compiler problem must not stop serving
-            logger.exception("fused KV quantization failed; using eager ops from now on")
-            os.environ[_NO_FUSE_ENV] = "1"
-            _compiled.cache_clear()
-    return (eager or fn)(*args)
-
-
-_NO_FUSE_ENV = "KVTIER_NO_FUSED_KV_QUANT"
-"""Set to 1 to run KV quantization with eager ops only (no torch.compile)."""
-
-
 class QuantizedKVCache:
     """One layer's quantized (or only down-cast) paged KV cache: what attention backends receive
     instead of a plain tensor when the KV dtype is not the model dtype.
 
         data    [2, Hkv, num_blocks, block_size, D]   storage dtype (a view of the runner's pool)
         scales  [2, Hkv, num_blocks] float32          (a view of the runner's kv_scales), or None
+
+    Writes and gathers of 1-byte dtypes on CPU run the native kernels (kvtier.model.native) when
+    they are available: one call per layer instead of dozens of small torch ops, the same bytes.
     """
 
-    __slots__ = ("data", "scales", "kv_dtype", "static_scales")
+    __slots__ = ("data", "scales", "kv_dtype", "static_scales", "_native_storage")
 
     def __init__(self, data: torch.Tensor, scales: torch.Tensor | None, kv_dtype: KVDtype,
                  static_scales: tuple[float, float] | None = None) -> None:
@@ -257,15 +210,24 @@ class QuantizedKVCache:
         self.kv_dtype = kv_dtype
         self.static_scales = static_scales
         """(K scale, V scale) of this layer from the checkpoint; None = dynamic per-block scales."""
+        self._native_storage = (
+            _NATIVE_STORAGE.get(data.dtype)
+            if scales is not None and data.device.type == "cpu" and data.is_contiguous() and scales.is_contiguous()
+            else None
+        )
 
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, plan: WritePlan | None) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              plan: WritePlan | Callable[[], WritePlan] | None = None) -> None:
         """Store k, v [T, Hkv, D] at `slot_mapping` [T]. Dynamic scales: tokens that fit their
         block's scale are stored as they are, blocks that must grow are rewritten whole (see
-        WritePlan), so every token of a block shares the block's scale."""
+        WritePlan), so every token of a block shares the block's scale. `plan`: the step's
+        WritePlan, or a function that builds it (the native kernel needs none); None: built here."""
+        if self._native_storage is not None and self._write_native(k, v, slot_mapping):
+            return
         two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
         flat = _raw(self.data).view(2, num_kv_heads, num_blocks * block_size, head_dim)
         kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, T, D]
@@ -276,7 +238,10 @@ class QuantizedKVCache:
             scale = self.scales[:, :, :1, None]  # constant over blocks: [2, Hkv, 1, 1]
             flat.index_copy_(2, slot_mapping, _raw(quantize(kv, scale, self.kv_dtype)))
             return
-        assert plan is not None
+        if plan is None:
+            plan = WritePlan.build(slot_mapping, block_size)
+        elif not isinstance(plan, WritePlan):
+            plan = plan()
         # Most decode tokens fit their block's scale: quantize just them. Blocks that start afresh
         # or whose scale must grow are rewritten whole. Per block, the choice depends only on that
         # block's tokens, never on the rest of the batch.
@@ -308,18 +273,56 @@ class QuantizedKVCache:
         """Blocks `block_ids` [n] of K and V, dequantized: [2, Hkv, n, block_size, D] in out_dtype."""
         if self.scales is None:
             return self.data.index_select(2, block_ids).to(out_dtype)
-        return _run_fused(_gather_dequantize, self.data, self.scales, block_ids, out_dtype,
-                          eager=self._gather_eager)
+        if self._native_storage is not None and out_dtype in _NATIVE_FLOAT:
+            out = self._gather_native(block_ids, out_dtype)
+            if out is not None:
+                return out
+        scale = self.scales.index_select(2, block_ids)[..., None, None]
+        return dequantize(self.data.index_select(2, block_ids), scale, out_dtype)
 
-    def _gather_eager(self, data: torch.Tensor, scales: torch.Tensor, block_ids: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor:
-        scale = scales.index_select(2, block_ids)[..., None, None]
-        return dequantize(data.index_select(2, block_ids), scale, self.kv_dtype, out_dtype)
+    # -- native kernels (kvtier/model/csrc/kv_quant.c) --------------------------------------
+
+    def _gather_native(self, block_ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        lib = native.kv_quant_lib()
+        if lib is None or block_ids.dtype != torch.long or block_ids.device.type != "cpu":
+            return None
+        block_ids = block_ids.contiguous()
+        _two, heads, num_blocks, block_size, dim = self.data.shape
+        out = torch.empty((2, heads, block_ids.numel(), block_size, dim), dtype=out_dtype)
+        rc = lib.kvt_gather(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size * dim,
+                            self._native_storage, block_ids.data_ptr(), block_ids.numel(),
+                            _NATIVE_FLOAT[out_dtype], out.data_ptr())
+        if rc == _NATIVE_BAD_INDEX:
+            raise IndexError(f"KV gather: a block id is outside 0 .. {num_blocks - 1}")
+        return out if rc == 0 else None
+
+    def _write_native(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+        """True when the native kernel stored the tokens; False: use the torch ops."""
+        lib = native.kv_quant_lib()
+        if (lib is None or k.dtype != v.dtype or k.dtype not in _NATIVE_FLOAT or slot_mapping.dtype != torch.long
+                or k.device.type != "cpu" or v.device.type != "cpu"):
+            return False
+        _two, heads, num_blocks, block_size, dim = self.data.shape
+        k, v = _rows_contiguous(k), _rows_contiguous(v)
+        slot_mapping = slot_mapping.contiguous()
+        rc = lib.kvt_write(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size, dim,
+                           self._native_storage, int(self.static_scales is not None),
+                           k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _NATIVE_FLOAT[k.dtype],
+                           slot_mapping.data_ptr(), slot_mapping.numel())
+        if rc == _NATIVE_BAD_INDEX:
+            raise IndexError(f"KV write: a slot is outside 0 .. {num_blocks * block_size - 1}")
+        return rc == 0
 
 
-def _gather_dequantize(data: torch.Tensor, scales: torch.Tensor, block_ids: torch.Tensor,
-                       out_dtype: torch.dtype) -> torch.Tensor:
-    """gather + convert + scale, written for torch.compile to fuse into one loop."""
-    x = data.index_select(2, block_ids).to(torch.float32)
-    scale = scales.index_select(2, block_ids)[..., None, None]
-    return (x * scale).to(out_dtype)
+_NATIVE_STORAGE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}
+"""Storage dtypes of the native kernels (their KVT_E4M3, KVT_E5M2, KVT_INT8)."""
+_NATIVE_FLOAT = {torch.float32: 0, torch.bfloat16: 1}
+"""Float formats the native kernels read and write (KVT_F32, KVT_BF16)."""
+_NATIVE_BAD_INDEX = -1
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] with each token's H x D values contiguous (any stride between tokens)."""
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()

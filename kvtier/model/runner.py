@@ -20,12 +20,15 @@ restore is bit-exact. `kv_bytes_per_block` is that tensor's size.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from kvtier.model import native
 from kvtier.model.attention import AttentionBackend, KVCache, TorchPagedAttention, long_tensor
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
@@ -132,7 +135,7 @@ class ModelRunner:
             if self.static_kv_scales is not None:
                 self._fill_static_scales(self.static_kv_scales)
         self.kv_caches: list[KVCache] = self._layer_caches()
-        self._warm_up_kv_reads()
+        self._warm_up_kv_kernels()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     # -- public ----------------------------------------------------------------------------
@@ -184,6 +187,30 @@ class ModelRunner:
         self.kv_scales.index_copy_(3, index, scales.permute(1, 2, 3, 0))
 
     @torch.no_grad()
+    def read_block_list(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """`read_block` of each block (separate tensors, as tiers keep them), in one native call
+        where available (a store of many blocks: one call instead of one copy per block)."""
+        if not block_ids:
+            return []
+        packed = [self._empty_block() for _ in block_ids]
+        if self._move_blocks_native(block_ids, packed, into_pool=False):
+            return packed
+        return [self.read_block(b) for b in block_ids]
+
+    @torch.no_grad()
+    def write_block_list(self, block_ids: Sequence[int], kvs: Sequence[torch.Tensor]) -> None:
+        """`write_block` of each (block, kv) pair, as `read_block_list` made them: a restore of
+        many blocks in one native call where available."""
+        if len(block_ids) != len(kvs):
+            raise ValueError(f"{len(block_ids)} block ids for {len(kvs)} blocks of KV")
+        if not block_ids:
+            return
+        if all(self._is_packed_block(kv) for kv in kvs) and self._move_blocks_native(block_ids, kvs, into_pool=True):
+            return
+        for block_id, kv in zip(block_ids, kvs):
+            self.write_block(block_id, kv)
+
+    @torch.no_grad()
     def read_block(self, block_id: int) -> torch.Tensor:
         """A contiguous copy of one block's KV, every layer: [num_layers, 2, num_kv_heads, block_size, head_dim]
         in the KV dtype; quantized: [kv_bytes_per_block] uint8 (data, then scales; see the module doc)."""
@@ -218,14 +245,11 @@ class ModelRunner:
             for layer, (data, scale) in enumerate(zip(layers, scales))
         ]
 
-    @torch.inference_mode()
-    def _warm_up_kv_reads(self) -> None:
-        """Compile the fused gather + dequantize now (one and several blocks: torch specialises a
-        size of 1), not inside the first requests' steps."""
-        cache = self.kv_caches[0]
-        if isinstance(cache, QuantizedKVCache) and cache.scales is not None:
-            for num_blocks in (1, 2):
-                cache.gather(torch.zeros(num_blocks, dtype=torch.long, device=self.device), self.dtype)
+    def _warm_up_kv_kernels(self) -> None:
+        """Build (or load) the native kernels now, not inside the first requests' steps."""
+        if self.device.type == "cpu":
+            native.paged_attention_lib()
+            native.kv_quant_lib()
 
     def _fill_static_scales(self, static: list[tuple[float, float]]) -> None:
         """Checkpoint scales follow the fp8_e4m3 convention (x ~= fp8 * scale, i.e. calibrated
@@ -236,6 +260,39 @@ class ModelRunner:
         for layer, (k_scale, v_scale) in enumerate(converted):
             self.kv_scales[layer, 0].fill_(k_scale)
             self.kv_scales[layer, 1].fill_(v_scale)
+
+    def _empty_block(self) -> torch.Tensor:
+        """Room for one block as `read_block` returns it."""
+        if self.kv_scales is None:
+            arch = self.arch
+            return torch.empty((arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                               dtype=self.kv_dtype, device=self.device)
+        return torch.empty(self.kv_bytes_per_block, dtype=torch.uint8, device=self.device)
+
+    def _is_packed_block(self, kv: torch.Tensor) -> bool:
+        """kv is exactly what `read_block` returns here (dtype, size, contiguous, device)."""
+        want = torch.uint8 if self.kv_scales is not None else self.kv_dtype
+        return (kv.dtype == want and kv.device == self.device and kv.is_contiguous()
+                and kv.numel() * kv.element_size() == self.kv_bytes_per_block)
+
+    def _move_blocks_native(self, block_ids: Sequence[int], packed: Sequence[torch.Tensor], into_pool: bool) -> bool:
+        """Whole blocks between the pool and `packed` (one kvt_move_blocks call); False when the
+        native kernels cannot do it here."""
+        lib = native.kv_quant_lib() if self.device.type == "cpu" else None
+        if lib is None:
+            return False
+        arch = self.arch
+        ids = long_tensor(list(block_ids), self.device)
+        pointers = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t in packed])
+        rc = lib.kvt_move_blocks(
+            self.kv_pool.data_ptr(), self.kv_scales.data_ptr() if self.kv_scales is not None else None,
+            arch.num_layers * 2 * arch.num_kv_heads, self.num_blocks,
+            self.block_size * arch.head_dim * self.kv_spec.elem_bytes, ids.data_ptr(), pointers, len(packed),
+            int(into_pool),
+        )
+        if rc != 0:
+            raise IndexError(f"a block id of {list(block_ids)} is outside 0 .. {self.num_blocks - 1}")
+        return True
 
     def _unpack(self, packed: torch.Tensor, num_blocks: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Packed uint8 block(s) -> data [(n,) L, 2, Hkv, bs, D] (storage dtype), scales [(n,) L, 2, Hkv]."""

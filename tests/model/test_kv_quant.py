@@ -60,18 +60,16 @@ def test_round_trip_is_within_the_dtypes_bound(name):
 @pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp8_bit_cast_dequantize_equals_torchs_conversion(name, out_dtype):
-    """The integer-op dequantization maps every fp8 byte (subnormals included) like torch does."""
+    """The integer-op dequantization maps every fp8 byte (subnormals included) like torch does, and
+    rounds value * scale once, from float32, to the output dtype."""
     spec = resolve_kv_dtype(name, torch.float32)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(spec.storage)
     finite = torch.isfinite(codes.float())
     codes = codes[finite].reshape(1, -1)
-    scale = torch.tensor([[0.37]])
-    got = dequantize(codes, scale, spec, out_dtype).float()
-    want = codes.float() * scale
-    if out_dtype == torch.float32:
-        assert torch.equal(got, want)
-    else:  # the scale and the product are rounded to out_dtype
-        torch.testing.assert_close(got, want, rtol=2**-7, atol=0)
+    for scale in (0.37, 1e-30, 128.0, 3.1e-7):
+        scale = torch.tensor([[scale]])
+        got = dequantize(codes, scale, out_dtype)
+        assert torch.equal(got, (codes.float() * scale).to(out_dtype))
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

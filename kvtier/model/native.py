@@ -1,0 +1,181 @@
+"""Native CPU kernels (kvtier/model/csrc), built with the machine's C compiler on first use.
+
+    lib = native.kv_quant_lib()          # a ctypes.CDLL, or None: then callers run their torch ops
+    lib = native.paged_attention_lib()
+
+Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
+`$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`, else a temporary folder) and
+loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
+already loaded (same soname), so the kernels share torch's thread pool and thread count.
+
+Nothing depends on them for correctness: every kernel has a torch twin, used when there is no
+compiler, the build fails, the tensors are not on the CPU, or `KVTIER_NO_NATIVE=1`; `disabled()`
+switches them off for a block of code (tests compare the two). The KV quantization kernels
+(csrc/kv_quant.c) give the same bytes as their twins; the paged decode attention
+(csrc/paged_attention.c, AVX-512) computes the same attention in float32 in another order, so
+it agrees with torch's SDPA to float32 rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+NO_NATIVE_ENV = "KVTIER_NO_NATIVE"
+"""Set to 1 to run every kernel with torch ops only."""
+CSRC = Path(__file__).resolve().with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-std=c11")
+BUILD_TIMEOUT_S = 120
+
+_enabled = os.environ.get(NO_NATIVE_ENV, "") in ("", "0")
+_disabled_libs: set[str] = set()
+
+_i64, _int, _ptr, _f32 = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "kv_quant": {
+        # data, scales, heads, num_blocks, block_elems, storage, ids, n, out_kind, out
+        "kvt_gather": ([_ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _int, _ptr], _int),
+        # data, scales, heads, num_blocks, block_size, dim, storage, static, k, k_stride, v, v_stride,
+        # in_kind, slots, num_tokens
+        "kvt_write": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int, _ptr, _i64, _ptr, _i64, _int, _ptr, _i64],
+                      _int),
+        # pool, scales (or NULL), rows, num_blocks, row_bytes, ids, packed (void*[n]), n, into_pool
+        "kvt_move_blocks": ([_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
+    },
+    "paged_attention": {
+        "kvt_has_decode_attention": ([], _int),
+        # q, q_kind, out, pool, kv_kind, scales (or NULL), block_tables, max_blocks, seq_lens, batch,
+        # num_heads, num_kv_heads, num_blocks, block_size, dim, sm_scale
+        "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
+                                  _i64, _i64, _f32], _int),
+    },
+}
+ABI_VERSION = 1
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """Run the enclosed code on the torch ops (for comparisons and experiments): every native
+    library, or only those named ("kv_quant", "paged_attention")."""
+    global _enabled
+    before = _enabled, set(_disabled_libs)
+    if names:
+        _disabled_libs.update(names)
+    else:
+        _enabled = False
+    try:
+        yield
+    finally:
+        _enabled = before[0]
+        _disabled_libs.clear()
+        _disabled_libs.update(before[1])
+
+
+def kv_quant_lib() -> ctypes.CDLL | None:
+    """The quantized-KV kernels (csrc/kv_quant.c), or None (disabled, or no working build here)."""
+    return _load("kv_quant") if _active("kv_quant") else None
+
+
+def paged_attention_lib() -> ctypes.CDLL | None:
+    """The paged decode attention kernel (csrc/paged_attention.c), or None: disabled, no working
+    build, or a CPU without AVX-512 (the kernel's only implementation)."""
+    if not _active("paged_attention"):
+        return None
+    lib = _load("paged_attention")
+    return lib if lib is not None and _has_decode_attention(lib) else None
+
+
+def _active(name: str) -> bool:
+    return _enabled and name not in _disabled_libs
+
+
+@functools.cache
+def _has_decode_attention(lib: ctypes.CDLL) -> bool:
+    return bool(lib.kvt_has_decode_attention())
+
+
+@functools.cache
+def _load(name: str) -> ctypes.CDLL | None:
+    source = CSRC / f"{name}.c"
+    try:
+        path = _build(source)
+        lib = ctypes.CDLL(str(path))
+        for fn, (argtypes, restype) in _SIGNATURES[name].items():
+            getattr(lib, fn).argtypes = argtypes
+            getattr(lib, fn).restype = restype
+        lib.kvt_abi_version.restype = _int
+        if lib.kvt_abi_version() != ABI_VERSION:
+            raise RuntimeError(f"{path}: ABI version {lib.kvt_abi_version()}, expected {ABI_VERSION}")
+        return lib
+    except Exception as e:  # noqa: BLE001 - any failure means: use the torch ops
+        logger.warning("native kernels %s unavailable (%s); using torch ops", name, e)
+        return None
+
+
+def _build(source: Path) -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
+        key.update(part)
+    out_dir = _cache_dir()
+    target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
+    for candidate in (base / "native", Path(tempfile.gettempdir()) / f"kvtier-native-{os.getuid()}"):
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise RuntimeError("no writable folder for the native build")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    flags += line
+                    if line.startswith(("flags", "Features")):
+                        break
+    except OSError:
+        pass
+    return platform.machine() + platform.processor() + flags
