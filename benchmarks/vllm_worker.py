@@ -3,7 +3,8 @@
 Runs under the vLLM virtual environment's python (not the repo's), e.g.
 
     /work/vllm-venv/bin/python benchmarks/vllm_worker.py --model /tmp/kvtier-ref \
-        --workload cold_prefill|warm_ttft|throughput|pressure --kv-cache-bytes N [--repeats R]
+        --workload cold_prefill|warm_ttft|throughput|pressure|decode --kv-cache-bytes N [--repeats R] \
+        [--kv-cache-dtype auto|fp8|fp8_e4m3|fp8_e5m2]
 
 Prompts are token ids (skip_tokenizer_init=True); prefix caching is on; the KV pool is sized
 by --kv-cache-bytes. The prompts and warm-up prompts are the ones compare.py gives kvtier and
@@ -31,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import workloads as W  # noqa: E402  (pure Python, no torch)
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure"]
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "decode"]
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -46,7 +47,7 @@ def _build_llm(args):
 
     kw = dict(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True,
               kv_cache_memory_bytes=args.kv_cache_bytes, dtype="bfloat16", seed=0,
-              max_model_len=args.max_model_len)
+              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     if args.block_size:
         kw["block_size"] = args.block_size
     if args.max_num_batched_tokens:
@@ -141,6 +142,17 @@ def run(args) -> dict:
                "first_cached_tokens_p50": _pct(first_cached, 50),
                "first_all": first, "revisit_all": revisit, "revisit_cached_tokens": cached,
                "num_prefixes": len(spec["first"])}
+    elif wl == "decode":  # as kv_dtype_bench.py: 16 x 1,024-token prompts, 128 tokens, prompts cached
+        prompts = [W.tokens(1000 + i, 1024) for i in range(16)]
+        timed(prompts, 4)  # prefill once: the measured runs hit the prefix cache
+        runs = []
+        for _ in range(R):
+            first, _ = timed(prompts, 1)  # (cached) prefill + first token
+            full, outs = timed(prompts, 128)
+            n = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+            runs.append(n / (full - first))
+        res = {"decode_tok_s": statistics.median(runs), "runs_tok_s": runs, "num_seqs": 16, "context": 1024,
+               "max_tokens": 128, "kv_cache_dtype": args.kv_cache_dtype}
     else:
         raise ValueError(wl)
     res["init_s"] = init_s
@@ -162,6 +174,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=None, help="default: vLLM's choice")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's choice")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's choice")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--preload-iomp", action="store_true",
                     help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)")
     args = ap.parse_args()

@@ -41,10 +41,6 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-static inline float load_f32(const void *p, int kind, int64_t i) {
-    return kind == KVT_BF16 ? bits_to_f32((uint32_t)((const uint16_t *)p)[i] << 16) : ((const float *)p)[i];
-}
-
 /* ---- fp8 <-> float32 ----------------------------------------------------------------------- */
 
 #define E4M3_SHIFT 20
@@ -58,26 +54,20 @@ static inline float fp8_biased(int8_t x, int shift, uint32_t mask) {
     return bits_to_f32(((uint32_t)(int32_t)x << shift) & mask);
 }
 
-static float fp8_value(uint8_t byte, int storage) {
-    return storage == KVT_E4M3 ? fp8_biased((int8_t)byte, E4M3_SHIFT, E4M3_MASK) * E4M3_UNBIAS
-                               : fp8_biased((int8_t)byte, E5M2_SHIFT, E5M2_MASK) * E5M2_UNBIAS;
-}
-
 /* float32 -> fp8 with `mant` mantissa bits and exponent `bias`, round to nearest even; |f| is at
  * most the format's largest finite value (the callers clamp first) or NaN. Below the smallest
  * normal, 2^(1 - bias): |f| in units of the smallest subnormal, rounded (the top value, 2^mant, is
  * the smallest normal, whose byte it also is). Above: the float32 exponent rebiased, the mantissa
  * rounded to `mant` bits (a carry moves into the exponent). */
 static inline uint8_t f32_to_fp8(float f, int bias, int mant) {
-    uint32_t u = f32_to_bits(f);
-    const uint8_t sign = (uint8_t)(u >> 24) & 0x80u;
-    u &= 0x7FFFFFFFu;
-    if (u > 0x7F800000u) return sign | 0x7Fu; /* NaN */
-    if (u < (uint32_t)(127 - bias + 1) << 23)
-        return sign | (uint8_t)rintf(bits_to_f32(u) * (float)(1 << (bias - 1 + mant)));
+    const uint32_t bits = f32_to_bits(f), u = bits & 0x7FFFFFFFu;
     const int drop = 23 - mant;
-    u += (uint32_t)(bias - 127) * (1u << 23) + ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u);
-    return sign | (uint8_t)(u >> drop);
+    const uint32_t sub = (uint32_t)(int32_t)rintf(bits_to_f32(u) * (float)(1 << (bias - 1 + mant)));
+    const uint32_t normal =
+        (u + (uint32_t)(bias - 127) * (1u << 23) + ((1u << (drop - 1)) - 1u) + ((u >> drop) & 1u)) >> drop;
+    uint32_t r = u < (uint32_t)(127 - bias + 1) << 23 ? sub : normal; /* selects, no branches: vectorises */
+    r = u > 0x7F800000u ? 0x7Fu : r;                                    /* NaN */
+    return (uint8_t)(((bits >> 24) & 0x80u) | (r & 0x7Fu));
 }
 
 /* max that keeps a NaN, as torch's amax does */
@@ -87,13 +77,40 @@ static inline float storage_qmax(int storage) {
     return storage == KVT_E4M3 ? 448.0f : storage == KVT_E5M2 ? 57344.0f : 127.0f;
 }
 
-/* q = clamp(x / scale, -qmax, qmax) (int8: rounded), stored; as kv_quant.quantize */
-static inline uint8_t quantize_one(float x, float scale, float qmax, int storage) {
-    float q = x / scale;
-    q = q < -qmax ? -qmax : (q > qmax ? qmax : q);
-    if (storage == KVT_E4M3) return f32_to_fp8(q, 7, 3);
-    if (storage == KVT_E5M2) return f32_to_fp8(q, 15, 2);
-    return (uint8_t)(int8_t)rintf(q);
+/* dst = clamp(x / scale, -qmax, qmax) (int8: rounded), stored; as kv_quant.quantize. `storage` is a
+ * constant at each call site (quantize_floats), so the loop specialises and vectorises. */
+static inline __attribute__((always_inline)) void quantize_span(const float *restrict x, int64_t n, float scale,
+                                                                 const int storage, uint8_t *restrict dst) {
+    const float qmax = storage_qmax(storage);
+    for (int64_t i = 0; i < n; i++) {
+        float q = x[i] / scale;
+        q = q < -qmax ? -qmax : (q > qmax ? qmax : q);
+        dst[i] = storage == KVT_E4M3 ? f32_to_fp8(q, 7, 3)
+                 : storage == KVT_E5M2 ? f32_to_fp8(q, 15, 2)
+                                       : (uint8_t)(int8_t)rintf(q);
+    }
+}
+
+static void quantize_floats(const float *x, int64_t n, float scale, int storage, uint8_t *dst) {
+    if (storage == KVT_E4M3) quantize_span(x, n, scale, KVT_E4M3, dst);
+    else if (storage == KVT_E5M2) quantize_span(x, n, scale, KVT_E5M2, dst);
+    else quantize_span(x, n, scale, KVT_INT8, dst);
+}
+
+/* n values of a new token's row (bfloat16 or float32) as float32 */
+static void load_floats(const void *x, int kind, int64_t n, float *restrict out) {
+    if (kind == KVT_BF16) {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = 0; i < n; i++) out[i] = bits_to_f32((uint32_t)h[i] << 16);
+    } else {
+        memcpy(out, x, (size_t)n * sizeof(float));
+    }
+}
+
+static float abs_max(const float *x, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; i++) m = nan_max(m, fabsf(x[i]));
+    return m;
 }
 
 /* ---- gather + dequantize --------------------------------------------------------------------- */
@@ -158,10 +175,6 @@ static inline uint8_t *slot_row(const Pool *p, int64_t row, int64_t slot) {
     return (uint8_t *)p->data + (row * p->num_blocks * p->block_size + slot) * p->dim;
 }
 
-static void quantize_row(const void *x, int in_kind, int64_t dim, float scale, const Pool *p, uint8_t *dst) {
-    for (int64_t d = 0; d < dim; d++) dst[d] = quantize_one(load_f32(x, in_kind, d), scale, p->qmax, p->storage);
-}
-
 /* The token's row of (kv, head): k or v [T, heads, dim] with `tok_stride` elements between tokens. */
 typedef struct {
     const void *k, *v;
@@ -169,8 +182,9 @@ typedef struct {
     int kind;
 } NewKV;
 
-static inline const void *token_row(const NewKV *kv, int which, int64_t t, int64_t head, int64_t dim) {
+static inline const void *token_row(const NewKV *kv, int64_t row, int64_t heads, int64_t t, int64_t dim) {
     const size_t elem = kv->kind == KVT_BF16 ? 2 : 4;
+    const int64_t which = row / heads, head = row % heads;
     const char *base = which == 0 ? (const char *)kv->k : (const char *)kv->v;
     const int64_t stride = which == 0 ? kv->k_stride : kv->v_stride;
     return base + (size_t)(t * stride + head * dim) * elem;
@@ -184,22 +198,13 @@ static void rewrite_block(const Pool *p, const NewKV *kv, const int64_t *slots, 
     for (int64_t row = 0; row < 2 * p->heads; row++) {
         float *scale = &p->scales[row * p->num_blocks + b];
         const float old = *scale * (fresh ? 0.0f : 1.0f);
-        const uint8_t *src = slot_row(p, row, b * bs);
-        for (int64_t i = 0; i < elems; i++) {
-            const float value = p->storage == KVT_INT8 ? (float)(int8_t)src[i] : fp8_value(src[i], p->storage);
-            tmp[i] = value * old;
-        }
-        for (int64_t t = t0; t < t1; t++) {
-            const void *x = token_row(kv, (int)(row / p->heads), t, row % p->heads, dim);
-            float *dst = tmp + (slots[t] % bs) * dim;
-            for (int64_t d = 0; d < dim; d++) dst[d] = load_f32(x, kv->kind, d);
-        }
-        float amax = 0.0f;
-        for (int64_t i = 0; i < elems; i++) amax = nan_max(amax, fabsf(tmp[i]));
-        float s = amax / p->qmax;
+        uint8_t *block = slot_row(p, row, b * bs);
+        dequant_row((const int8_t *)block, old, p->storage, KVT_F32, tmp, elems);
+        for (int64_t t = t0; t < t1; t++)
+            load_floats(token_row(kv, row, p->heads, t, dim), kv->kind, dim, tmp + (slots[t] % bs) * dim);
+        float s = abs_max(tmp, elems) / p->qmax;
         s = s < KVT_MIN_SCALE ? KVT_MIN_SCALE : (s > KVT_MAX_SCALE ? KVT_MAX_SCALE : s);
-        uint8_t *dst = slot_row(p, row, b * bs);
-        for (int64_t i = 0; i < elems; i++) dst[i] = quantize_one(tmp[i], s, p->qmax, p->storage);
+        quantize_floats(tmp, elems, s, p->storage, block);
         *scale = s;
     }
 }
@@ -209,20 +214,26 @@ static int cmp_i64(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Runs of consecutive tokens in one block; a block must not come back in a later run (the torch
- * path treats a step's tokens of a block together). 1 = it does: the caller regroups in torch. */
+/* Runs of consecutive tokens in one block: a block must not come back in a later run (the torch
+ * path treats a step's tokens of a block together) and a run holds at most a block of tokens
+ * (no slot twice). 0 = not so: the caller leaves the step to the torch ops. */
 static int runs_are_distinct(const int64_t *slots, int64_t num_tokens, int64_t bs) {
     int64_t *blocks = malloc(sizeof(int64_t) * (size_t)num_tokens);
     if (blocks == NULL) return 0;
-    int64_t num_runs = 0;
-    for (int64_t t = 0; t < num_tokens; t++)
-        if (t == 0 || slots[t] / bs != slots[t - 1] / bs) blocks[num_runs++] = slots[t] / bs;
+    int64_t num_runs = 0, run_start = 0;
+    int ok = 1;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (t == 0 || slots[t] / bs != slots[t - 1] / bs) {
+            blocks[num_runs++] = slots[t] / bs;
+            run_start = t;
+        }
+        if (t - run_start >= bs) ok = 0;
+    }
     qsort(blocks, (size_t)num_runs, sizeof(int64_t), cmp_i64);
-    int distinct = 1;
     for (int64_t r = 1; r < num_runs; r++)
-        if (blocks[r] == blocks[r - 1]) distinct = 0;
+        if (blocks[r] == blocks[r - 1]) ok = 0;
     free(blocks);
-    return distinct;
+    return ok;
 }
 
 int kvt_write(int8_t *data, float *scales, int64_t heads, int64_t num_blocks, int64_t block_size, int64_t dim,
@@ -230,42 +241,42 @@ int kvt_write(int8_t *data, float *scales, int64_t heads, int64_t num_blocks, in
               int in_kind, const int64_t *slots, int64_t num_tokens) {
     if (storage < KVT_E4M3 || storage > KVT_INT8 || (in_kind != KVT_F32 && in_kind != KVT_BF16))
         return KVT_UNSUPPORTED;
-    const int64_t num_slots = num_blocks * block_size;
+    const int64_t num_slots = num_blocks * block_size, rows = 2 * heads;
     for (int64_t t = 0; t < num_tokens; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return KVT_BAD_INDEX;
+    if (!static_scales && !runs_are_distinct(slots, num_tokens, block_size)) return KVT_REGROUP;
     const Pool p = {data, scales, heads, num_blocks, block_size, dim, storage, storage_qmax(storage)};
     const NewKV kv = {k, v, k_stride, v_stride, in_kind};
-    if (static_scales) { /* one scale per (kv, head), kept in every block: block 0's */
-        for (int64_t t = 0; t < num_tokens; t++)
-            for (int64_t row = 0; row < 2 * heads; row++)
-                quantize_row(token_row(&kv, (int)(row / heads), t, row % heads, dim), in_kind, dim,
-                             scales[row * num_blocks], &p, slot_row(&p, row, slots[t]));
-        return KVT_OK;
-    }
-    if (!runs_are_distinct(slots, num_tokens, block_size)) return KVT_REGROUP;
-    float *tmp = NULL;
+    /* one run's new rows as float32 ([token][row][dim]), then the rewrite scratch (a block row) */
+    float *x = malloc(sizeof(float) * (size_t)(block_size * rows * dim + block_size * dim));
+    if (x == NULL) return KVT_REGROUP;
+    float *tmp = x + block_size * rows * dim;
     for (int64_t t0 = 0, t1; t0 < num_tokens; t0 = t1) {
         const int64_t b = slots[t0] / block_size;
-        int fresh = 0, fits = 1;
-        for (t1 = t0; t1 < num_tokens && slots[t1] / block_size == b; t1++) fresh |= slots[t1] % block_size == 0;
-        for (int64_t t = t0; t < t1 && fits && !fresh; t++)
-            for (int64_t row = 0; row < 2 * heads && fits; row++) {
-                const void *x = token_row(&kv, (int)(row / heads), t, row % heads, dim);
-                float amax = 0.0f;
-                for (int64_t d = 0; d < dim; d++) amax = nan_max(amax, fabsf(load_f32(x, in_kind, d)));
-                fits = amax <= scales[row * num_blocks + b] * p.qmax;
-            }
-        if (fits && !fresh) {
-            for (int64_t t = t0; t < t1; t++)
-                for (int64_t row = 0; row < 2 * heads; row++)
-                    quantize_row(token_row(&kv, (int)(row / heads), t, row % heads, dim), in_kind, dim,
-                                 scales[row * num_blocks + b], &p, slot_row(&p, row, slots[t]));
+        int fresh = 0;
+        for (t1 = t0; t1 < num_tokens && slots[t1] / block_size == b && (static_scales ? t1 == t0 : 1); t1++)
+            fresh |= slots[t1] % block_size == 0;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t row = 0; row < rows; row++)
+                load_floats(token_row(&kv, row, heads, t, dim), in_kind, dim, x + ((t - t0) * rows + row) * dim);
+        if (static_scales) { /* one scale per (kv, head), kept in every block: block 0's */
+            for (int64_t row = 0; row < rows; row++)
+                quantize_floats(x + row * dim, dim, scales[row * num_blocks], storage, slot_row(&p, row, slots[t0]));
             continue;
         }
-        if (tmp == NULL && (tmp = malloc(sizeof(float) * (size_t)(block_size * dim))) == NULL) return KVT_REGROUP;
-        rewrite_block(&p, &kv, slots, t0, t1, b, fresh, tmp);
+        int fits = !fresh;
+        for (int64_t i = 0; i < (t1 - t0) * rows && fits; i++)
+            fits = abs_max(x + i * dim, dim) <= scales[(i % rows) * num_blocks + b] * p.qmax;
+        if (!fits) {
+            rewrite_block(&p, &kv, slots, t0, t1, b, fresh, tmp);
+            continue;
+        }
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t row = 0; row < rows; row++)
+                quantize_floats(x + ((t - t0) * rows + row) * dim, dim, scales[row * num_blocks + b], storage,
+                                slot_row(&p, row, slots[t]));
     }
-    free(tmp);
+    free(x);
     return KVT_OK;
 }
 

@@ -37,7 +37,7 @@ int kvt_abi_version(void) { return 1; }
 int kvt_has_decode_attention(void) { return 1; }
 
 /* 16 values of a K or V row as float32; fp8 as value * 2^-(127 - bias), exactly (see unbias()) */
-static inline __m512 load16(const void *row, int64_t c, int kind) {
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t c, int kind) {
     switch (kind) {
     case KVS_F32: return _mm512_loadu_ps((const float *)row + c);
     case KVS_BF16: {
@@ -121,8 +121,10 @@ static inline const char *kv_row(const Layer *L, int which, int64_t head, int64_
     return L->pool + ((((which * L->heads + head) * L->num_blocks + block) * L->block_size + slot) * L->dim) * L->elem;
 }
 
-static void attend_one(const Layer *L, const float *q, int64_t group, const int64_t *table, int64_t seq_len,
-                       int64_t head, float sm_scale, float *out) {
+/* `kind` is a constant at each call site below: the loads specialise, no switch in the loops */
+static inline __attribute__((always_inline)) void attend_kind(const Layer *L, const int kind, const float *q,
+                                                               int64_t group, const int64_t *table, int64_t seq_len,
+                                                               int64_t head, float sm_scale, float *out) {
     const int64_t dim = L->dim, nv = dim / 16, bs = L->block_size;
     __m512 qv[MAX_GROUP][MAX_DIM / 16], acc[MAX_GROUP][MAX_DIM / 16];
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -142,12 +144,12 @@ static void attend_one(const Layer *L, const float *q, int64_t group, const int6
         const int64_t block = table[start / bs], slot0 = start % bs;
         int64_t count = seq_len - start < CHUNK ? seq_len - start : CHUNK;
         if (count > bs - slot0) count = bs - slot0; /* a chunk stays in one block */
-        const float ks = (L->scales ? L->scales[head * L->num_blocks + block] : 1.0f) * unbias(L->kind) * sm_scale;
-        const float vs = (L->scales ? L->scales[(L->heads + head) * L->num_blocks + block] : 1.0f) * unbias(L->kind);
+        const float ks = (L->scales ? L->scales[head * L->num_blocks + block] : 1.0f) * unbias(kind) * sm_scale;
+        const float vs = (L->scales ? L->scales[(L->heads + head) * L->num_blocks + block] : 1.0f) * unbias(kind);
         for (int64_t t = 0; t < count; t++) {
             const char *krow = kv_row(L, 0, head, block, slot0 + t);
             __m512 k[MAX_DIM / 16];
-            for (int64_t c = 0; c < nv; c++) k[c] = load16(krow, 16 * c, L->kind);
+            for (int64_t c = 0; c < nv; c++) k[c] = load16(krow, 16 * c, kind);
             for (int64_t g = 0; g < group; g++) {
                 __m512 s = _mm512_mul_ps(qv[g][0], k[0]);
                 for (int64_t c = 1; c < nv; c++) s = _mm512_fmadd_ps(qv[g][c], k[c], s);
@@ -170,7 +172,7 @@ static void attend_one(const Layer *L, const float *q, int64_t group, const int6
         for (int64_t t = 0; t < count; t++) {
             const char *vrow = kv_row(L, 1, head, block, slot0 + t);
             for (int64_t c = 0; c < nv; c++) {
-                const __m512 v = load16(vrow, 16 * c, L->kind);
+                const __m512 v = load16(vrow, 16 * c, kind);
                 for (int64_t g = 0; g < group; g++)
                     acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g][t]), v, acc[g][c]);
             }
@@ -180,6 +182,17 @@ static void attend_one(const Layer *L, const float *q, int64_t group, const int6
     for (int64_t g = 0; g < group; g++) {
         const __m512 inv = _mm512_set1_ps(1.0f / l[g]);
         for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+static void attend_one(const Layer *L, const float *q, int64_t group, const int64_t *table, int64_t seq_len,
+                       int64_t head, float sm_scale, float *out) {
+    switch (L->kind) {
+    case KVS_E4M3: attend_kind(L, KVS_E4M3, q, group, table, seq_len, head, sm_scale, out); break;
+    case KVS_E5M2: attend_kind(L, KVS_E5M2, q, group, table, seq_len, head, sm_scale, out); break;
+    case KVS_INT8: attend_kind(L, KVS_INT8, q, group, table, seq_len, head, sm_scale, out); break;
+    case KVS_F32: attend_kind(L, KVS_F32, q, group, table, seq_len, head, sm_scale, out); break;
+    default: attend_kind(L, KVS_BF16, q, group, table, seq_len, head, sm_scale, out); break;
     }
 }
 
