@@ -23,8 +23,10 @@ Within one step, the flattened tokens of all sequences are split into
     from position 0 directly over the new k/v (is_causal) -- over the gathered, dequantized
     blocks when the cache is quantized, so a prefix hit sees exactly what a recompute sees --
     otherwise over the gathered blocks with a causal mask shifted by start_pos;
-  - "decode" sequences (exactly one query token): batched into one padded gather and one
-    SDPA call with a length mask.
+  - "decode" sequences (exactly one query token): on CPUs with AVX-512, one native kernel call
+    (kvtier/model/csrc/paged_attention.c) that attends straight from the paged pool in any KV
+    dtype, G query heads per KV head together, with no gathered or dequantized copy; elsewhere one
+    padded gather and one SDPA call with a length mask.
 """
 
 from __future__ import annotations
@@ -345,23 +347,23 @@ class TorchPagedAttention(AttentionBackend):
         """Decode attention straight from the paged pool (kvtier/model/csrc/paged_attention.c);
         None where the kernel does not apply (no AVX-512 build, another device or dtype)."""
         lib = native.paged_attention_lib() if q.device.type == "cpu" else None
-        if lib is None or q.dtype not in _NATIVE_FLOAT:
+        if lib is None or q.dtype not in native.FLOAT_KIND:
             return None
         pool, scales = (kv_cache.data, kv_cache.scales) if isinstance(kv_cache, QuantizedKVCache) else (kv_cache, None)
-        kind = _NATIVE_KV.get(pool.dtype)
-        if kind is None or not pool.is_contiguous() or (scales is not None) != (kind <= _NATIVE_KV[torch.int8]):
+        kind = native.KV_STORAGE.get(pool.dtype)
+        if kind is None or not pool.is_contiguous() or (scales is not None) != (pool.dtype in native.SCALED_STORAGE):
             return None
         q = q.contiguous()
         out = torch.empty_like(q)
         batch, max_blocks = d.block_tables.shape
         _two, num_kv_heads, num_blocks, block_size, head_dim = pool.shape
         rc = lib.kvt_decode_attention(
-            q.data_ptr(), _NATIVE_FLOAT[q.dtype], out.data_ptr(), pool.data_ptr(), kind,
+            q.data_ptr(), native.FLOAT_KIND[q.dtype], out.data_ptr(), pool.data_ptr(), kind,
             scales.data_ptr() if scales is not None else None, d.block_tables.data_ptr(), max_blocks,
             d.seq_lens.data_ptr(), batch, self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
             head_dim ** -0.5,
         )
-        if rc == _NATIVE_BAD_INDEX:
+        if rc == native.BAD_INDEX:
             raise IndexError(f"decode attention: a block table or length is outside the pool of {num_blocks} blocks")
         return out.view(batch, -1) if rc == 0 else None
 
@@ -375,13 +377,6 @@ class TorchPagedAttention(AttentionBackend):
         """[Hkv, G * n, D] -> [n, Hq * D]."""
         out = out.view(self.num_kv_heads, self.num_queries_per_kv, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, -1)
-
-
-_NATIVE_FLOAT = {torch.float32: 0, torch.bfloat16: 1}
-"""q / out dtypes of the native decode kernel (its KVT_F32, KVT_BF16)."""
-_NATIVE_KV = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2, torch.float32: 3, torch.bfloat16: 4}
-"""KV storage dtypes of the native decode kernel (its KVS_*); the first three carry scales."""
-_NATIVE_BAD_INDEX = -1
 
 
 def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

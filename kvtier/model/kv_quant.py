@@ -211,8 +211,9 @@ class QuantizedKVCache:
         self.static_scales = static_scales
         """(K scale, V scale) of this layer from the checkpoint; None = dynamic per-block scales."""
         self._native_storage = (
-            _NATIVE_STORAGE.get(data.dtype)
-            if scales is not None and data.device.type == "cpu" and data.is_contiguous() and scales.is_contiguous()
+            native.KV_STORAGE.get(data.dtype)
+            if scales is not None and data.dtype in native.SCALED_STORAGE and data.device.type == "cpu"
+            and data.is_contiguous() and scales.is_contiguous()
             else None
         )
 
@@ -273,7 +274,7 @@ class QuantizedKVCache:
         """Blocks `block_ids` [n] of K and V, dequantized: [2, Hkv, n, block_size, D] in out_dtype."""
         if self.scales is None:
             return self.data.index_select(2, block_ids).to(out_dtype)
-        if self._native_storage is not None and out_dtype in _NATIVE_FLOAT:
+        if self._native_storage is not None and out_dtype in native.FLOAT_KIND:
             out = self._gather_native(block_ids, out_dtype)
             if out is not None:
                 return out
@@ -291,15 +292,15 @@ class QuantizedKVCache:
         out = torch.empty((2, heads, block_ids.numel(), block_size, dim), dtype=out_dtype)
         rc = lib.kvt_gather(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size * dim,
                             self._native_storage, block_ids.data_ptr(), block_ids.numel(),
-                            _NATIVE_FLOAT[out_dtype], out.data_ptr())
-        if rc == _NATIVE_BAD_INDEX:
+                            native.FLOAT_KIND[out_dtype], out.data_ptr())
+        if rc == native.BAD_INDEX:
             raise IndexError(f"KV gather: a block id is outside 0 .. {num_blocks - 1}")
         return out if rc == 0 else None
 
     def _write_native(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """True when the native kernel stored the tokens; False: use the torch ops."""
         lib = native.kv_quant_lib()
-        if (lib is None or k.dtype != v.dtype or k.dtype not in _NATIVE_FLOAT or slot_mapping.dtype != torch.long
+        if (lib is None or k.dtype != v.dtype or k.dtype not in native.FLOAT_KIND or slot_mapping.dtype != torch.long
                 or k.device.type != "cpu" or v.device.type != "cpu"):
             return False
         _two, heads, num_blocks, block_size, dim = self.data.shape
@@ -307,18 +308,11 @@ class QuantizedKVCache:
         slot_mapping = slot_mapping.contiguous()
         rc = lib.kvt_write(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size, dim,
                            self._native_storage, int(self.static_scales is not None),
-                           k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _NATIVE_FLOAT[k.dtype],
+                           k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), native.FLOAT_KIND[k.dtype],
                            slot_mapping.data_ptr(), slot_mapping.numel())
-        if rc == _NATIVE_BAD_INDEX:
+        if rc == native.BAD_INDEX:
             raise IndexError(f"KV write: a slot is outside 0 .. {num_blocks * block_size - 1}")
         return rc == 0
-
-
-_NATIVE_STORAGE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2}
-"""Storage dtypes of the native kernels (their KVT_E4M3, KVT_E5M2, KVT_INT8)."""
-_NATIVE_FLOAT = {torch.float32: 0, torch.bfloat16: 1}
-"""Float formats the native kernels read and write (KVT_F32, KVT_BF16)."""
-_NATIVE_BAD_INDEX = -1
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 NO_NATIVE_ENV = "KVTIER_NO_NATIVE"
@@ -63,6 +65,16 @@ _SIGNATURES = {
     },
 }
 ABI_VERSION = 1
+
+# The kernels' codes for dtypes (the enums at the top of each csrc file) and their error codes.
+FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1}
+"""Float formats the kernels read and write (KVT_F32, KVT_BF16)."""
+KV_STORAGE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2, torch.float32: 3, torch.bfloat16: 4}
+"""KV storage dtypes (KVS_* of paged_attention.c; the first three, with scales, are kv_quant.c's
+KVT_E4M3, KVT_E5M2, KVT_INT8)."""
+SCALED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+BAD_INDEX = -1
+"""A block id, slot or length outside the pool (the caller raises IndexError)."""
 
 
 def enabled() -> bool:
