@@ -275,7 +275,45 @@ def _check_key(key: bytes) -> None:
         raise TypeError(f"a block key must be non-empty bytes, got {type(key).__name__}")
 
 
-class Tier(ABC):
+class TierCounters:
+    """What every tier keeps beside its entries: counters (TierStats) and fault injection. The
+    base of `Tier` and of the host tier, which holds tensors rather than framed payloads."""
+
+    def __init__(self, faults: FaultConfig | None = None, stats_lock: threading.Lock | None = None) -> None:
+        self._faults = FaultInjector(faults)
+        self._stats = TierStats()
+        self._stats_lock = stats_lock or threading.Lock()
+        """Guards `_stats`; a tier may share its own lock (then it must not hold it when calling
+        the methods here)."""
+
+    @property
+    def stats(self) -> TierStats:
+        """A consistent copy of the counters."""
+        with self._stats_lock:
+            return self._stats.copy()
+
+    @property
+    def faults(self) -> FaultConfig:
+        return self._faults.config
+
+    @faults.setter
+    def faults(self, config: FaultConfig | None) -> None:
+        """Swap the fault config at run time (experiments turn faults on and off)."""
+        self._faults = FaultInjector(config)
+
+    def _count(self, **deltas: float) -> None:
+        with self._stats_lock:
+            s = self._stats
+            for name, delta in deltas.items():
+                setattr(s, name, getattr(s, name) + delta)
+
+    def _count_error(self, kind: str) -> None:
+        """An error that says nothing about the backend's health (a payload too large)."""
+        with self._stats_lock:
+            self._stats.errors[kind] = self._stats.errors.get(kind, 0) + 1
+
+
+class Tier(TierCounters, ABC):
     """One store below the device pool. Subclasses implement the `_`-prefixed backend methods;
     they may raise anything on backend trouble (map it to a kind in `_error_kind`)."""
 
@@ -283,11 +321,9 @@ class Tier(ABC):
 
     def __init__(self, name: str, *, faults: FaultConfig | None = None,
                  health: HealthGate | None = None) -> None:
+        super().__init__(faults)
         self.name = name
-        self._faults = FaultInjector(faults)
         self._gate = health or HealthGate()
-        self._stats = TierStats()
-        self._stats_lock = threading.Lock()
 
     # -- backend (implemented by each tier) -----------------------------------------------------
     @abstractmethod
@@ -343,27 +379,6 @@ class Tier(ABC):
     def health(self) -> HealthGate:
         return self._gate
 
-    @property
-    def stats(self) -> TierStats:
-        """A consistent copy of the counters."""
-        with self._stats_lock:
-            return self._stats.copy()
-
-    @property
-    def faults(self) -> FaultConfig:
-        return self._faults.config
-
-    @faults.setter
-    def faults(self, config: FaultConfig | None) -> None:
-        """Swap the fault config at run time (experiments turn faults on and off)."""
-        self._faults = FaultInjector(config)
-
-    def _count(self, **deltas: float) -> None:
-        with self._stats_lock:
-            s = self._stats
-            for name, delta in deltas.items():
-                setattr(s, name, getattr(s, name) + delta)
-
     def _fail(self, op: str, exc: BaseException) -> None:
         kind = self._error_kind(exc)
         with self._stats_lock:
@@ -373,11 +388,6 @@ class Tier(ABC):
             logger.warning("tier %s: unexpected error in %s", self.name, op, exc_info=exc)
         else:
             logger.debug("tier %s: %s failed (%s): %s", self.name, op, kind, exc)
-
-    def _count_error(self, kind: str) -> None:
-        """An error that says nothing about the backend's health (a payload too large)."""
-        with self._stats_lock:
-            self._stats.errors[kind] = self._stats.errors.get(kind, 0) + 1
 
     # -- the public operations ---------------------------------------------------------------------
     def contains_prefix(self, keys: list[bytes]) -> int:

@@ -12,10 +12,10 @@ import time
 from collections import OrderedDict
 from typing import Callable, Iterator
 
-from kvtier.tiers.base import FaultConfig, FaultInjector, TierStats
+from kvtier.tiers.base import FaultConfig, TierCounters
 
 
-class HostTier:
+class HostTier(TierCounters):
     name = "host"
 
     def __init__(self, capacity_bytes: int, *, faults: FaultConfig | None = None,
@@ -27,8 +27,7 @@ class HostTier:
         self._sizes: dict[bytes, int] = {}
         self._usage = 0
         self._lock = threading.Lock()
-        self._faults = FaultInjector(faults)
-        self._stats = TierStats()
+        super().__init__(faults, stats_lock=self._lock)  # one lock for entries and counters
         self.on_evict = on_evict
         """Called (outside the lock) with each entry pushed out by capacity: write-back demotion."""
 
@@ -44,19 +43,6 @@ class HostTier:
     @property
     def healthy(self) -> bool:
         return True
-
-    @property
-    def stats(self) -> TierStats:
-        with self._lock:
-            return self._stats.copy()
-
-    @property
-    def faults(self) -> FaultConfig:
-        return self._faults.config
-
-    @faults.setter
-    def faults(self, config: FaultConfig | None) -> None:
-        self._faults = FaultInjector(config)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -83,8 +69,7 @@ class HostTier:
         try:
             self._faults.before_op()
         except Exception:
-            with self._lock:
-                self._stats.errors["injected"] = self._stats.errors.get("injected", 0) + 1
+            self._count_error("injected")
             return None
         with self._lock:
             kv = self._entries.get(key)
@@ -112,8 +97,7 @@ class HostTier:
                 self._faults.before_op()
                 self._faults.transfer(nbytes)
             except Exception:
-                with self._lock:
-                    self._stats.errors["injected"] = self._stats.errors.get("injected", 0) + 1
+                self._count_error("injected")
                 return False
         evicted: list[tuple[bytes, object]] = []
         with self._lock:
