@@ -66,12 +66,11 @@ _SIGNATURES = {
 }
 ABI_VERSION = 1
 
-# The kernels' codes for dtypes (the enums at the top of each csrc file) and their error codes.
+# The kernels' codes for dtypes and errors (the enums of csrc/kv_common.h).
 FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1}
 """Float formats the kernels read and write (KVT_F32, KVT_BF16)."""
 KV_STORAGE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2, torch.float32: 3, torch.bfloat16: 4}
-"""KV storage dtypes (KVS_* of paged_attention.c; the first three, with scales, are kv_quant.c's
-KVT_E4M3, KVT_E5M2, KVT_INT8)."""
+"""KV storage dtypes (KVS_* of csrc/kv_common.h; the first three carry scales)."""
 SCALED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 BAD_INDEX = -1
 """A block id, slot or length outside the pool (the caller raises IndexError)."""
@@ -146,7 +145,8 @@ def _build(source: Path) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
+    for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
         key.update(part)
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -22,9 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { KVT_E4M3 = 0, KVT_E5M2 = 1, KVT_INT8 = 2 };       /* storage */
-enum { KVT_F32 = 0, KVT_BF16 = 1 };                        /* float formats of inputs and outputs */
-enum { KVT_OK = 0, KVT_BAD_INDEX = -1, KVT_UNSUPPORTED = -2, KVT_REGROUP = 1 };
+#include "kv_common.h"
 
 #define KVT_MIN_SCALE 1e-30f  /* kv_quant.MIN_SCALE */
 #define KVT_MAX_SCALE 128.0f  /* kv_quant.MAX_SCALE */
@@ -32,23 +30,7 @@ enum { KVT_OK = 0, KVT_BAD_INDEX = -1, KVT_UNSUPPORTED = -2, KVT_REGROUP = 1 };
 
 int kvt_abi_version(void) { return 1; }
 
-static inline float bits_to_f32(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
-static inline uint32_t f32_to_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
-
-/* round to nearest even; the values here are finite */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = f32_to_bits(f);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* ---- fp8 <-> float32 ----------------------------------------------------------------------- */
-
-#define E4M3_SHIFT 20
-#define E4M3_MASK 0x87F00000u /* sign + 7 magnitude bits at float32's exponent/mantissa boundary */
-#define E4M3_UNBIAS 0x1p120f  /* 2^(127 - 7) */
-#define E5M2_SHIFT 21
-#define E5M2_MASK 0x8FE00000u
-#define E5M2_UNBIAS 0x1p112f  /* 2^(127 - 15) */
 
 static inline float fp8_biased(int8_t x, int shift, uint32_t mask) {
     return bits_to_f32(((uint32_t)(int32_t)x << shift) & mask);
@@ -74,7 +56,7 @@ static inline uint8_t f32_to_fp8(float f, int bias, int mant) {
 static inline float nan_max(float m, float a) { return (a != a || a > m) ? a : m; }
 
 static inline float storage_qmax(int storage) {
-    return storage == KVT_E4M3 ? 448.0f : storage == KVT_E5M2 ? 57344.0f : 127.0f;
+    return storage == KVS_E4M3 ? 448.0f : storage == KVS_E5M2 ? 57344.0f : 127.0f;
 }
 
 /* dst = clamp(x / scale, -qmax, qmax) (int8: rounded), stored; as kv_quant.quantize. `storage` is a
@@ -85,16 +67,16 @@ static inline __attribute__((always_inline)) void quantize_span(const float *res
     for (int64_t i = 0; i < n; i++) {
         float q = x[i] / scale;
         q = q < -qmax ? -qmax : (q > qmax ? qmax : q);
-        dst[i] = storage == KVT_E4M3 ? f32_to_fp8(q, 7, 3)
-                 : storage == KVT_E5M2 ? f32_to_fp8(q, 15, 2)
+        dst[i] = storage == KVS_E4M3 ? f32_to_fp8(q, 7, 3)
+                 : storage == KVS_E5M2 ? f32_to_fp8(q, 15, 2)
                                        : (uint8_t)(int8_t)rintf(q);
     }
 }
 
 static void quantize_floats(const float *x, int64_t n, float scale, int storage, uint8_t *dst) {
-    if (storage == KVT_E4M3) quantize_span(x, n, scale, KVT_E4M3, dst);
-    else if (storage == KVT_E5M2) quantize_span(x, n, scale, KVT_E5M2, dst);
-    else quantize_span(x, n, scale, KVT_INT8, dst);
+    if (storage == KVS_E4M3) quantize_span(x, n, scale, KVS_E4M3, dst);
+    else if (storage == KVS_E5M2) quantize_span(x, n, scale, KVS_E5M2, dst);
+    else quantize_span(x, n, scale, KVS_INT8, dst);
 }
 
 /* n values of a new token's row (bfloat16 or float32) as float32 */
@@ -128,11 +110,11 @@ static float abs_max(const float *x, int64_t n) {
 
 static void dequant_row(const int8_t *restrict src, float scale, int storage, int out_kind, void *restrict dst,
                         int64_t count) {
-    if (storage == KVT_E4M3) {
+    if (storage == KVS_E4M3) {
         const float mult = scale * E4M3_UNBIAS;
         if (out_kind == KVT_BF16) DEQUANT_ROW(fp8_biased(src[i], E4M3_SHIFT, E4M3_MASK), uint16_t, f32_to_bf16);
         else DEQUANT_ROW(fp8_biased(src[i], E4M3_SHIFT, E4M3_MASK), float, AS_IS);
-    } else if (storage == KVT_E5M2) {
+    } else if (storage == KVS_E5M2) {
         const float mult = scale * E5M2_UNBIAS;
         if (out_kind == KVT_BF16) DEQUANT_ROW(fp8_biased(src[i], E5M2_SHIFT, E5M2_MASK), uint16_t, f32_to_bf16);
         else DEQUANT_ROW(fp8_biased(src[i], E5M2_SHIFT, E5M2_MASK), float, AS_IS);
@@ -145,7 +127,7 @@ static void dequant_row(const int8_t *restrict src, float scale, int storage, in
 
 int kvt_gather(const int8_t *data, const float *scales, int64_t heads, int64_t num_blocks, int64_t block_elems,
                int storage, const int64_t *ids, int64_t n, int out_kind, void *out) {
-    if (storage < KVT_E4M3 || storage > KVT_INT8 || (out_kind != KVT_F32 && out_kind != KVT_BF16))
+    if (storage < KVS_E4M3 || storage > KVS_INT8 || (out_kind != KVT_F32 && out_kind != KVT_BF16))
         return KVT_UNSUPPORTED;
     for (int64_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= num_blocks) return KVT_BAD_INDEX;
@@ -239,7 +221,7 @@ static int runs_are_distinct(const int64_t *slots, int64_t num_tokens, int64_t b
 int kvt_write(int8_t *data, float *scales, int64_t heads, int64_t num_blocks, int64_t block_size, int64_t dim,
               int storage, int static_scales, const void *k, int64_t k_stride, const void *v, int64_t v_stride,
               int in_kind, const int64_t *slots, int64_t num_tokens) {
-    if (storage < KVT_E4M3 || storage > KVT_INT8 || (in_kind != KVT_F32 && in_kind != KVT_BF16))
+    if (storage < KVS_E4M3 || storage > KVS_INT8 || (in_kind != KVT_F32 && in_kind != KVT_BF16))
         return KVT_UNSUPPORTED;
     const int64_t num_slots = num_blocks * block_size, rows = 2 * heads;
     for (int64_t t = 0; t < num_tokens; t++)

@@ -21,9 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { KVS_E4M3 = 0, KVS_E5M2 = 1, KVS_INT8 = 2, KVS_F32 = 3, KVS_BF16 = 4 }; /* KV storage */
-enum { KVT_F32 = 0, KVT_BF16 = 1 };                                          /* q and out */
-enum { KVT_OK = 0, KVT_BAD_INDEX = -1, KVT_UNSUPPORTED = -2 };
+#include "kv_common.h"
 
 #define MAX_GROUP 16 /* query heads per KV head */
 #define MAX_DIM 256
@@ -48,17 +46,17 @@ static inline __attribute__((always_inline)) __m512 load16(const void *row, int6
         return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + c))));
     case KVS_E4M3: {
         __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + c)));
-        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, 20), _mm512_set1_epi32((int)0x87F00000u)));
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, E4M3_SHIFT), _mm512_set1_epi32((int)E4M3_MASK)));
     }
     default: { /* KVS_E5M2 */
         __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + c)));
-        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, 21), _mm512_set1_epi32((int)0x8FE00000u)));
+        return _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, E5M2_SHIFT), _mm512_set1_epi32((int)E5M2_MASK)));
     }
     }
 }
 
 /* The factor load16 leaves out, folded into the block's scales: 2^(127 - bias) for fp8. */
-static inline float unbias(int kind) { return kind == KVS_E4M3 ? 0x1p120f : kind == KVS_E5M2 ? 0x1p112f : 1.0f; }
+static inline float unbias(int kind) { return kind == KVS_E4M3 ? E4M3_UNBIAS : kind == KVS_E5M2 ? E5M2_UNBIAS : 1.0f; }
 
 /* r[t] = sum of the 16 lanes of a[t], t < 16: a transpose-and-add tree (45 shuffles and adds for
  * 16 sums, against ~10 operations for each sum on its own), then the tree's lane order undone. */
@@ -96,18 +94,13 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
-
 static void store_row(void *out, int out_kind, const float *x, int64_t dim) {
     if (out_kind == KVT_F32) {
         memcpy(out, x, (size_t)dim * sizeof(float));
         return;
     }
     uint16_t *o = (uint16_t *)out;
-    for (int64_t d = 0; d < dim; d++) { /* round to nearest even, as torch */
-        const uint32_t u = f32_bits(x[d]);
-        o[d] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+    for (int64_t d = 0; d < dim; d++) o[d] = f32_to_bf16(x[d]);
 }
 
 typedef struct {
