@@ -152,6 +152,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="redis://, rediss://, valkey:// or redis+cluster://host:port,host:port")
     t.add_argument("--remote-ttl-s", type=_positive_float, default=None, metavar="SECONDS",
                    help="time to live of remote entries (default: no expiry)")
+    t.add_argument("--remote-timeout-s", type=_positive_float, default=None, metavar="SECONDS",
+                   help="connect and per-command socket timeout of the remote tier (default 1)")
     t.add_argument("--cache-write-policy", choices=WRITE_POLICIES, default=None,
                    help="when computed blocks are written down (default write_through)")
     t.add_argument("--cache-compression", type=_compression, default=None, metavar="{none,lz4,zstd}",
@@ -167,7 +169,8 @@ ENGINE_KEYS = ("dtype", "kv_cache_dtype", "block_size", "num_device_blocks", "kv
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
                "scheduling_policy", "kv_drift_sample_rate")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
-             "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults", "kv_key_dir")
+             "remote_ttl_s", "remote_timeout_s", "cache_write_policy", "cache_compression", "tier_faults",
+             "kv_key_dir")
 
 
 def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
@@ -192,8 +195,9 @@ def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | No
         kw["tier_faults"] = dict(faults)
     if "disk_cache_bytes" in kw and "disk_cache_dir" not in kw:
         fail("argument --disk-cache-bytes: needs --disk-cache-dir")
-    if "remote_ttl_s" in kw and "remote_cache_url" not in kw:
-        fail("argument --remote-ttl-s: needs --remote-cache-url")
+    for key in ("remote_ttl_s", "remote_timeout_s"):
+        if key in kw and "remote_cache_url" not in kw:
+            fail(f"argument --{key.replace('_', '-')}: needs --remote-cache-url")
     tiers_on = any(k in kw for k in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url"))
     if tiers_on and kw.get("enable_prefix_caching") is False:
         fail("tiers below the device need prefix caching; drop --no-prefix-caching")

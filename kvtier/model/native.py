@@ -4,9 +4,14 @@
     lib = native.paged_attention_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
-`$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`, else a temporary folder) and
-loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
+`$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
 already loaded (same soname), so the kernels share torch's thread pool and thread count.
+
+Loading native code is trusted code execution, so the cache folder must be private: it is
+created 0700, one that belongs to another user is refused (there is no shared-temp fallback), a
+looser mode on our own folder is tightened, and a library is loaded only when it is a regular
+file owned by this user and writable by no one else (anything else is rebuilt over). Builds of
+one folder take a file lock, so concurrent processes compile once and never load half a file.
 
 Nothing depends on them for correctness: every kernel has a torch twin, used when there is no
 compiler, the build fails, the tensors are not on the CPU, or `KVTIER_NO_NATIVE=1`; `disabled()`
@@ -26,6 +31,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -150,32 +156,82 @@ def _build(source: Path) -> Path:
         key.update(part)
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if target.is_file():
+    if _trusted(target):
         return target
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)  # atomic: concurrent builders each install a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _build_lock(out_dir):
+        if _trusted(target):  # another process built it while we waited
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True,
+                                  text=True, timeout=BUILD_TIMEOUT_S)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            os.chmod(tmp, 0o700)
+            os.replace(tmp, target)  # atomic: replaces an untrusted file of that name, if any
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    if not _trusted(target):
+        raise RuntimeError(f"{target} changed under the build lock; not loading it")
     return target
 
 
+def _trusted(path: Path) -> bool:
+    """A library we may load: a regular file (not a link) owned by this user, writable by no one
+    else. A file that exists but fails this is logged and rebuilt over."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    problem = None
+    if not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_uid != os.getuid():
+        problem = f"owned by uid {st.st_uid}, not {os.getuid()}"
+    elif st.st_mode & 0o022:
+        problem = f"mode {stat.S_IMODE(st.st_mode):o} lets others write it"
+    if problem is not None:
+        logger.warning("native kernels: refusing to load %s (%s); rebuilding it", path, problem)
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _build_lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder's build (fcntl.flock; released on exit or death)."""
+    import fcntl
+
+    fd = os.open(out_dir / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def _cache_dir() -> Path:
+    """The private build folder: created 0700; refused when another user owns it or it is a link
+    (no fallback: the torch ops run instead); tightened to 0700 when it is ours but looser."""
     base = Path(os.environ.get("KVTIER_CACHE_DIR", Path.home() / ".cache" / "kvtier"))
-    for candidate in (base / "native", Path(tempfile.gettempdir()) / f"kvtier-native-{os.getuid()}"):
-        try:
-            candidate.mkdir(parents=True, exist_ok=True)
-            if os.access(candidate, os.W_OK):
-                return candidate
-        except OSError:
-            continue
-    raise RuntimeError("no writable folder for the native build")
+    folder = base / "native"
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder.mkdir(exist_ok=True, mode=0o700)
+        st = os.lstat(folder)
+    except OSError as e:
+        raise RuntimeError(f"cannot create the native build folder {folder}: {e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise RuntimeError(f"the native build folder {folder} is not a directory (a link?); refusing it")
+    if st.st_uid != os.getuid():
+        raise RuntimeError(f"the native build folder {folder} belongs to uid {st.st_uid}, not "
+                           f"{os.getuid()}; refusing it (set KVTIER_CACHE_DIR to a folder of your own)")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(folder, 0o700)
+    if not os.access(folder, os.W_OK):
+        raise RuntimeError(f"the native build folder {folder} is not writable")
+    return folder
 
 
 def _cpu_id() -> str:
