@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -295,9 +296,22 @@ class EngineCore:
             from concurrent.futures import FIRST_COMPLETED, wait
             wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
 
-    def purge_tenant(self, tenant: str | None) -> dict[str, int]:
-        """Delete `tenant`'s KV from the device pool and every tier, and destroy its data key.
-        Blocks that running requests still use stay until those requests end (`device_in_use`)."""
+    # ------------------------------------------------------------------ purges
+    def abort_tenant(self, tenant: str | None) -> list[RequestOutput]:
+        """Abort every unfinished request of `tenant` (waiting, loading or running); their
+        final outputs (finish_reason "abort"). The first step of a purge."""
+        return [self.abort_request(rid) for rid, g in list(self._groups.items()) if g.tenant == tenant]
+
+    def abort_all(self) -> list[RequestOutput]:
+        return [self.abort_request(rid) for rid in list(self._groups)]
+
+    def begin_purge_tenant(self, tenant: str | None, everywhere: bool = True) -> tuple[dict[str, int], Future | None]:
+        """The engine-thread part of a purge, after `abort_tenant`: queued write-backs go down
+        (fenced with the old stamp, so the purge deletes them), the tenant's device blocks
+        leave the prefix index, and its tier I/O is fenced off. The future (None without
+        tiers) runs the tier part on the admin worker; see TierHierarchy.begin_purge."""
+        if self.tiers is not None:
+            self._store_blocks()
         pool, index = self.kv.pool, self.kv.index
         removed = 0
         while True:
@@ -308,16 +322,33 @@ class EngineCore:
                 break
         counts = {"device": removed,
                   "device_in_use": sum(1 for n in index.nodes() if n.owner == tenant)}
-        if self.tiers is not None:
-            counts.update(self.tiers.purge_owner(tenant))
+        future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
+        return counts, future
+
+    def purge_tenant(self, tenant: str | None) -> dict[str, Any]:
+        """Abort `tenant`'s requests, delete its KV from the device pool and every tier, and
+        destroy its data key (blocking; the server runs the tier part off the engine thread)."""
+        aborted = self.abort_tenant(tenant)
+        counts, future = self.begin_purge_tenant(tenant)
+        if future is not None:
+            counts.update(future.result())
+        counts["aborted_requests"] = len(aborted)
         return counts
 
-    def purge_all(self) -> dict[str, int]:
-        """Every tenant's KV out of the device pool (unreferenced blocks) and every tier."""
+    def begin_purge_all(self) -> tuple[dict[str, int], Future | None]:
+        """`begin_purge_tenant` for every tenant (after `abort_all`)."""
         counts = {"device": self.kv.pool.evict_all()}
         self.kv.take_blocks_to_store()  # a purge writes nothing down (write-back eviction log)
-        if self.tiers is not None:
-            counts.update(self.tiers.purge_all())
+        future = self.tiers.begin_purge_all() if self.tiers is not None else None
+        return counts, future
+
+    def purge_all(self) -> dict[str, Any]:
+        """Every tenant's KV out of the device pool and every tier (blocking)."""
+        aborted = self.abort_all()
+        counts, future = self.begin_purge_all()
+        if future is not None:
+            counts.update(future.result())
+        counts["aborted_requests"] = len(aborted)
         return counts
 
     def set_tenant_ttl(self, tenant: str | None, ttl_s: float | None) -> None:
@@ -340,7 +371,15 @@ class EngineCore:
 
     def sweep_expired(self) -> dict[str, dict[str, int]]:
         """Drop each TTL'd tenant's KV older than its TTL: device (unreferenced blocks, leaves
-        first), host and disk; Redis expires entries itself."""
+        first), host and disk; Redis expires entries itself (blocking)."""
+        out, future = self.begin_sweep_expired()
+        if future is not None:
+            for tenant, counts in future.result().items():
+                out[tenant].update(counts)
+        return out
+
+    def begin_sweep_expired(self) -> tuple[dict[str, dict[str, int]], Future | None]:
+        """The device part of `sweep_expired` now; the tier part on the admin worker."""
         out: dict[str, dict[str, int]] = {}
         now = time.monotonic()
         pool, index = self.kv.pool, self.kv.index
@@ -352,15 +391,18 @@ class EngineCore:
                 removed += n
                 if n == 0:
                     break
-            counts = {"device": removed}
-            if self.tiers is not None:
-                counts.update(self.tiers.expire_owner(tenant, ttl))
-            out[str(tenant)] = counts
-        return out
+            out[str(tenant)] = {"device": removed}
+        if self.tiers is None or not self.tenant_ttl_s:
+            return out, None
+        ttls, tiers = dict(self.tenant_ttl_s), self.tiers
+        return out, tiers.submit_admin(lambda: {str(t): tiers.expire_owner(t, ttl) for t, ttl in ttls.items()})
+
+    def device_usage(self, tenant: str | None) -> dict[str, int]:
+        n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)
+        return {"blocks": n, "bytes": n * self.runner.kv_bytes_per_block}
 
     def tenant_usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
-        n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)
-        out = {"device": {"blocks": n, "bytes": n * self.runner.kv_bytes_per_block}}
+        out = {"device": self.device_usage(tenant)}
         if self.tiers is not None:
             out.update(self.tiers.owner_usage(tenant))
         return out

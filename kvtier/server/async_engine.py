@@ -9,6 +9,9 @@ exist; asyncio handlers talk to it only through a queue.
                                               one call_soon_threadsafe per step
     abort(request_id)       --- _Abort -->    engine.abort_request(...): its blocks are freed
     await run_when_idle(fn) --- _Idle --->    fn(engine) once no request is unfinished
+    await purge(tenant)     --- _Now --->     abort the tenant's requests, evict its device
+                            <-- future ---    blocks, fence its tier I/O; the tier part runs
+                                              on the tiers' admin worker, not this thread
 
 Nothing else touches the EngineCore while the thread runs (the metrics scrape reads its stats
 counters, which are plain ints and copied dicts).
@@ -148,6 +151,11 @@ class AsyncEngine:
         """Add requests, all or none; raises the engine's ValueError for bad input. The caller
         must `abort` every request whose stream did not finish."""
         self._check_alive()
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None and getattr(tiers.keys, "refresh", None) is not None:
+            # fleet keys: notice a purge made by another instance before this one can hit
+            for tenant in {s.tenant for s in specs}:
+                await asyncio.to_thread(tiers.refresh_key, tenant)
         streams = [RequestStream(s.request_id) for s in specs]
         ack = asyncio.get_running_loop().create_future()
         self._inbox.put(_Add(specs, streams, ack))
@@ -176,6 +184,60 @@ class AsyncEngine:
         done = asyncio.get_running_loop().create_future()
         self._inbox.put(_Now(fn, done))
         return await done
+
+    async def purge(self, tenant: str | None, every_tenant: bool = False) -> dict[str, Any]:
+        """Purge `tenant` (every tenant: `every_tenant`). Its unfinished requests are aborted
+        (their streams end with finish_reason "abort"), then nothing of it that existed before
+        is readable or hittable in any tier once this returns, except what `pending` names
+        (the remote tier was unreachable; the purge is recorded and completed later)."""
+        def begin(core: Any) -> tuple[dict[str, Any], Any]:
+            outs = core.abort_all() if every_tenant else core.abort_tenant(tenant)
+            self._dispatch([o for o in outs if o is not None])
+            counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
+            counts["aborted_requests"] = len(outs)
+            return counts, future
+
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None and tiers.pending_purges():  # a retry also finishes earlier ones
+            await asyncio.wrap_future(tiers.submit_admin(tiers.retry_pending_purges))
+        counts, future = await self.run_soon(begin)
+        if future is not None:
+            counts.update(await asyncio.wrap_future(future))
+        return counts
+
+    async def sweep(self) -> None:
+        """TTL sweep (device part on the engine thread, tiers on the admin worker) and a retry
+        of pending purges."""
+        _, future = await self.run_soon(lambda core: core.begin_sweep_expired())
+        if future is not None:
+            await asyncio.wrap_future(future)
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None and tiers.pending_purges():
+            await asyncio.wrap_future(tiers.submit_admin(tiers.retry_pending_purges))
+
+    async def usage(self, tenant: str | None) -> dict[str, Any]:
+        """The tenant's cached KV per tier: device on the engine thread, tiers off it."""
+        out = {"device": await self.run_soon(lambda core: core.device_usage(tenant))}
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is not None:
+            def tier_usage() -> dict[str, Any]:
+                tiers.flush(5.0)  # count what the requests answered so far have stored
+                return tiers.owner_usage(tenant)
+
+            out.update(await asyncio.wrap_future(tiers.submit_admin(tier_usage)))
+        return out
+
+    def _apply_revocations(self) -> None:
+        """Fleet keys another instance destroyed: drop this instance's copies of those tenants
+        (their requests are aborted, as in a purge; Redis was purged by the other instance)."""
+        tiers = getattr(self.engine, "tiers", None)
+        if tiers is None or not tiers.revoked_owners:
+            return
+        for tenant in tiers.take_revoked():
+            outs = self.engine.abort_tenant(tenant)
+            self._dispatch([o for o in outs if o is not None])
+            self.engine.begin_purge_tenant(tenant, everywhere=False)
+            logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort what is in flight and stop the thread."""
@@ -216,6 +278,7 @@ class AsyncEngine:
                         self._call(_set_exception, call.done, EngineDeadError("shutting down"))
                     return
                 self._handle(cmd)
+            self._apply_revocations()
             if engine.has_unfinished:
                 try:
                     outputs = engine.step()
@@ -245,6 +308,7 @@ class AsyncEngine:
     def _handle(self, cmd: Any) -> None:
         engine = self.engine
         if isinstance(cmd, _Add):
+            self._apply_revocations()
             added: list[str] = []
             try:
                 for spec in cmd.specs:

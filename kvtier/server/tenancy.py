@@ -4,6 +4,7 @@ Every request runs as exactly one `Tenant`. Its `cache_salt` goes into the root 
 key the request makes (see kvtier/kvcache/keys.py), so KV is never shared across tenants. Today
 one resolver exists: every request is the default tenant, whose salt is None (KV is shared, as
 in the offline API). Per-key tenants, encryption keys and deletion policies plug in here.
+`AdminAuth` decides who may call admin endpoints (purges, integrity checks).
 """
 
 from __future__ import annotations
@@ -138,3 +139,63 @@ class ApiKeyResolver:
         if tenant is None:
             raise PermissionError("invalid API key")
         return tenant
+
+
+AUTH_MODES = ("public", "api_key", "admin")
+"""Who may read /metrics and /v1/models: anyone, a valid API key (or the admin key), the admin."""
+
+
+def read_admin_key(path: str) -> str:
+    """The admin key in a file (surrounding whitespace dropped); errors say what to put there."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the admin key file {path}: {e.strerror}") from None
+    if len(key) < 16 or any(c.isspace() for c in key):
+        raise ValueError(f"the admin key file {path} must hold one key of at least 16 characters "
+                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)")
+    return key
+
+
+class AdminAuth:
+    """Who may call admin and destructive endpoints: the bearer of `admin_key`
+    (--admin-key-file) or of a key marked admin in the --api-keys file.
+
+    `open_reads`: a server with no credential at all (no --api-keys, no --admin-key-file) lets
+    anyone call the read-only admin endpoint (/admin/check_integrity) as before; destructive
+    ones are refused in every mode unless an admin credential is shown."""
+
+    def __init__(self, resolver: TenantResolver, admin_key: str | None = None) -> None:
+        self.resolver = resolver
+        self.admin_key = admin_key
+        self.multi_tenant = not isinstance(resolver, SingleTenantResolver)
+        tenants = getattr(resolver, "tenants", lambda: [])()
+        self.configured = admin_key is not None or any(t.admin for t in tenants)
+        self.open_reads = admin_key is None and not self.multi_tenant
+
+    def is_admin_key(self, api_key: str | None) -> bool:
+        """The standalone admin key (constant-time comparison)."""
+        import hmac
+
+        return (self.admin_key is not None and api_key is not None
+                and hmac.compare_digest(api_key.encode(), self.admin_key.encode()))
+
+    def is_admin(self, api_key: str | None) -> bool:
+        if self.is_admin_key(api_key):
+            return True
+        if not self.multi_tenant or api_key is None:
+            return False
+        try:
+            return self.resolver.resolve(api_key).admin
+        except PermissionError:
+            return False
+
+    def refusal(self, api_key: str | None) -> tuple[int, str]:
+        """(status, message) for a caller that is not an admin."""
+        if not self.configured:
+            return 403, ("this endpoint needs an admin credential and the server has none: start it "
+                         "with --admin-key-file FILE (or mark a key admin in --api-keys)")
+        if api_key is None:
+            return 401, "this endpoint needs an admin key: send 'Authorization: Bearer ADMIN_KEY'"
+        return 403, "this endpoint needs an admin key"

@@ -21,6 +21,14 @@ Contract for callers (the hierarchy's worker threads):
   - `get` returns the raw frame. Decoding is the caller's (codec.decode); when it fails, call
     `report_corrupt(key)`: the entry is counted in `stats.corrupt` and deleted.
     `codec.load_tensor` does both.
+  - Every backend access, the public operations and tier-specific ones (`call`), goes through
+    `_run`, which always reports the outcome to the gate: no probe can be left open.
+
+Logging (what an operator sees at --log-level warning): a tier going down ("tier disk
+unavailable: disk_full: ...; skipping it for 0.5 s, requests recompute") and coming back ("tier
+remote is back after 3 failures") at WARNING, and the first error of each kind and the first
+corrupt entry at WARNING; repeats within 60 s only at DEBUG, the next WARNING counting them
+(LogLimiter, on the gate's clock).
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, TypeVar
+
+_T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
@@ -201,17 +211,35 @@ class HealthGate:
             self._probing = True
             return True
 
-    def record_success(self) -> None:
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The gate's time source (tests inject a manual one; the tier's log limiter shares it)."""
+        return self._clock
+
+    def record_success(self) -> int:
+        """Returns how many consecutive failures this success ended (0: it was healthy)."""
         if self._backoff_s is None:
-            return
+            return 0
         with self._lock:
+            if self._backoff_s is None:
+                return 0
+            num_failures = self.num_failures
             self._backoff_s = None
             self._probing = False
             self.num_failures = 0
+            return num_failures
 
-    def record_failure(self) -> None:
+    def abandon_probe(self) -> None:
+        """The probe was interrupted before it could tell (KeyboardInterrupt, a killed
+        thread): say nothing about health, but let the next caller probe."""
         with self._lock:
-            if self._backoff_s is None:
+            self._probing = False
+
+    def record_failure(self) -> bool:
+        """Returns True when this failure took the gate from healthy to unhealthy."""
+        with self._lock:
+            was_healthy = self._backoff_s is None
+            if was_healthy:
                 self._backoff_s = self.initial_backoff_s
             elif self._probing or self._clock() >= self._retry_at:
                 # a failed probe (or the first failure after the backoff) doubles the wait;
@@ -220,6 +248,33 @@ class HealthGate:
             self._retry_at = self._clock() + self._backoff_s
             self._probing = False
             self.num_failures += 1
+            return was_healthy
+
+
+class LogLimiter:
+    """At most one log record per topic per `interval_s`; counts what it held back.
+
+    Tiers fail in bursts (every operation of a dead server fails): the first failure of a kind
+    reaches the log at WARNING, repeats within the interval only at DEBUG, and the next WARNING
+    says how many were held back."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def admit(self, topic: str) -> int | None:
+        """None: stay quiet. Else the number of records held back since the last one admitted."""
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(topic)
+            if last is not None and now - last < self.interval_s:
+                self._held[topic] = self._held.get(topic, 0) + 1
+                return None
+            self._last[topic] = now
+            return self._held.pop(topic, 0)
 
 
 # -- stats -------------------------------------------------------------------------------------------
@@ -297,9 +352,10 @@ class TierCounters:
         return self._faults.config
 
     @faults.setter
-    def faults(self, config: FaultConfig | None) -> None:
-        """Swap the fault config at run time (experiments turn faults on and off)."""
-        self._faults = FaultInjector(config)
+    def faults(self, config: FaultConfig | FaultInjector | None) -> None:
+        """Swap the fault config at run time (experiments turn faults on and off). An injector
+        is taken as it is: tests pass one with a recording `sleep` instead of waiting."""
+        self._faults = config if isinstance(config, FaultInjector) else FaultInjector(config)
 
     def _count(self, **deltas: float) -> None:
         with self._stats_lock:
@@ -324,6 +380,9 @@ class Tier(TierCounters, ABC):
         super().__init__(faults)
         self.name = name
         self._gate = health or HealthGate()
+        self._log_limiter = LogLimiter(clock=self._gate.clock)
+        """Rate-limits this tier's WARNINGs (per topic: "down", an error kind, "corrupt")."""
+        self._down_logged = False  # was the current outage logged at WARNING (then so is its end)
 
     # -- backend (implemented by each tier) -----------------------------------------------------
     @abstractmethod
@@ -379,53 +438,108 @@ class Tier(TierCounters, ABC):
     def health(self) -> HealthGate:
         return self._gate
 
-    def _fail(self, op: str, exc: BaseException) -> None:
+    def _fail(self, op: str, exc: BaseException) -> str:
+        """Count a backend failure, close the gate, and log it (state changes and the first of
+        each kind at WARNING, repeats within the limiter's interval at DEBUG)."""
         kind = self._error_kind(exc)
         with self._stats_lock:
             self._stats.errors[kind] = self._stats.errors.get(kind, 0) + 1
-        self._gate.record_failure()
-        if kind == "internal":
-            logger.warning("tier %s: unexpected error in %s", self.name, op, exc_info=exc)
-        else:
+        went_down = self._gate.record_failure()
+        if went_down:
+            held = self._log_limiter.admit("down")
+            self._log_limiter.admit(kind)  # this record is the kind's first report
+            self._down_logged = held is not None
+            if held is not None:
+                logger.warning("tier %s unavailable: %s: %s; skipping it for %.1f s, requests "
+                               "recompute%s", self.name, kind, exc, self._gate.backoff_s or 0.0,
+                               f" ({held} more outages since the last report)" if held else "")
+                if kind == "internal":
+                    logger.warning("tier %s: unexpected error in %s", self.name, op, exc_info=exc)
+                return kind
+        held = self._log_limiter.admit(kind)
+        if held is None:
             logger.debug("tier %s: %s failed (%s): %s", self.name, op, kind, exc)
+        else:
+            logger.warning("tier %s: %s failed (%s): %s%s", self.name, op, kind, exc,
+                           f" ({held} more since the last report)" if held else "",
+                           exc_info=exc if kind == "internal" else None)
+        return kind
+
+    def _succeed(self) -> None:
+        num_failures = self._gate.record_success()
+        if not num_failures:
+            return
+        level = logging.WARNING if self._down_logged else logging.DEBUG
+        logger.log(level, "tier %s is back after %d failures", self.name, num_failures)
+        try:
+            self._on_recovered()
+        except Exception as exc:  # a hook must not turn the probe's success into an error
+            logger.warning("tier %s: recovery hook failed: %s", self.name, exc)
+
+    def _on_recovered(self) -> None:
+        """Called once the gate reopens after failures (the remote tier resyncs its sizes)."""
+
+    def _run(self, op: str, fn: Callable[[], _T], *, inject: bool = True) -> _T:
+        """The one path to the backend: every operation, public or tier-specific, runs here.
+
+        The gate decides; `fn` runs after the injected faults (unless `inject` is False: the
+        later pages of one `keys()` iteration); its outcome always reaches the gate, so no
+        probe can be left unreported and wedge the tier. Raises TierError: kind
+        "unavailable" when the gate refuses (counted in `skipped`), else the kind of the
+        backend's exception (counted in `errors`)."""
+        if not self._gate.allow():
+            self._count(skipped=1)
+            raise TierError("unavailable", f"tier {self.name} is unhealthy (retry in "
+                                           f"{self._gate.retry_in_s:.1f} s)")
+        try:
+            if inject:
+                self._faults.before_op()
+            result = fn()
+        except Exception as exc:  # backend trouble: reported, then the caller's miss
+            kind = self._fail(op, exc)
+            raise TierError(kind, str(exc)) from exc
+        except BaseException:  # interrupted (KeyboardInterrupt, GeneratorExit): no verdict
+            self._gate.abandon_probe()
+            raise
+        self._succeed()
+        return result
 
     # -- the public operations ---------------------------------------------------------------------
+    def call(self, op: str, fn: Callable[[], _T]) -> _T:
+        """Run `fn` (one backend operation named `op`) through the health gate and the faults,
+        and report its outcome to the gate: the way for tier-specific operations (a remote
+        tier's owner sets) to touch the backend. Raises TierError as `_run` does."""
+        return self._run(op, fn)
+
     def contains_prefix(self, keys: list[bytes]) -> int:
         """How many LEADING keys are present. Cheap: index lookups or one round trip."""
         if not keys:
             return 0
         for key in keys:
             _check_key(key)
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return 0
         t0 = time.perf_counter()
-        try:
-            self._faults.before_op()
-            num_found = self._contains_prefix(keys)
-        except Exception as exc:  # backend trouble is a miss, never the caller's exception
-            self._fail("contains_prefix", exc)
+        try:  # backend trouble is a miss, never the caller's exception
+            num_found = self._run("contains_prefix", lambda: self._contains_prefix(keys))
+        except TierError:
             return 0
-        self._gate.record_success()
         self._count(lookups=len(keys), lookup_hits=num_found, read_s=time.perf_counter() - t0)
         return num_found
 
     def get(self, key: bytes) -> bytes | None:
         """The stored frame, or None for a miss (absent, unhealthy tier, or backend error)."""
         _check_key(key)
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return None
-        t0 = time.perf_counter()
-        try:
-            self._faults.before_op()
+
+        def read() -> bytes | None:
             data = self._get(key)
             if data is not None:
                 self._faults.transfer(len(data))
-        except Exception as exc:
-            self._fail("get", exc)
+            return data
+
+        t0 = time.perf_counter()
+        try:
+            data = self._run("get", read)
+        except TierError:
             return None
-        self._gate.record_success()
         nbytes = 0 if data is None else len(data)
         self._count(queries=1, hits=int(data is not None), bytes_read=nbytes,
                     read_s=time.perf_counter() - t0)
@@ -441,19 +555,18 @@ class Tier(TierCounters, ABC):
             return [self.get(key) for key in keys]
         for key in keys:
             _check_key(key)
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return [None] * len(keys)
+
+        def read() -> list[bytes | None]:
+            out = self._get_many(keys)
+            self._faults.transfer(sum(len(d) for d in out if d is not None))
+            return out
+
         t0 = time.perf_counter()
         try:
-            self._faults.before_op()
-            out = self._get_many(keys)
-            nbytes = sum(len(d) for d in out if d is not None)
-            self._faults.transfer(nbytes)
-        except Exception as exc:
-            self._fail("get_many", exc)
+            out = self._run("get_many", read)
+        except TierError:
             return [None] * len(keys)
-        self._gate.record_success()
+        nbytes = sum(len(d) for d in out if d is not None)
         hits = sum(d is not None for d in out)
         self._count(queries=len(keys), hits=hits, bytes_read=nbytes, read_s=time.perf_counter() - t0)
         return out
@@ -461,18 +574,16 @@ class Tier(TierCounters, ABC):
     def put(self, key: bytes, payload: bytes, ttl_s: float | None = None) -> bool:
         """Store `payload` under `key` (replacing any entry). True when stored."""
         _check_key(key)
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return False
+
+        def write() -> bool:
+            self._faults.transfer(len(payload))
+            return self._put(key, payload, ttl_s)
+
         t0 = time.perf_counter()
         try:
-            self._faults.before_op()
-            self._faults.transfer(len(payload))
-            stored = self._put(key, payload, ttl_s)
-        except Exception as exc:
-            self._fail("put", exc)
+            stored = self._run("put", write)
+        except TierError:
             return False
-        self._gate.record_success()
         if stored:
             self._count(puts=1, bytes_written=len(payload), write_s=time.perf_counter() - t0)
         return stored
@@ -480,16 +591,10 @@ class Tier(TierCounters, ABC):
     def delete(self, key: bytes) -> bool:
         """Remove one entry. True when it existed."""
         _check_key(key)
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return False
         try:
-            self._faults.before_op()
-            existed = self._delete(key)
-        except Exception as exc:
-            self._fail("delete", exc)
+            existed = self._run("delete", lambda: self._delete(key))
+        except TierError:
             return False
-        self._gate.record_success()
         if existed:
             self._count(deletes=1)
         return existed
@@ -498,50 +603,51 @@ class Tier(TierCounters, ABC):
         """Delete many entries; returns how many existed."""
         return sum(self.delete(key) for key in keys)
 
-    def report_corrupt(self, key: bytes) -> None:
-        """The caller could not decode what `get(key)` returned: count it and delete the entry."""
+    def report_corrupt(self, key: bytes, reason: str | None = None) -> None:
+        """The caller could not decode what `get(key)` returned: count it, log it (the first at
+        WARNING, then at most one per interval) and delete the entry."""
         self._count(corrupt=1)
+        held = self._log_limiter.admit("corrupt")
+        if held is not None:
+            logger.warning("tier %s: corrupt entry %s (%s), deleted; the block is recomputed%s",
+                           self.name, key.hex(), reason or "checksum or header check failed",
+                           f" ({held} more since the last report)" if held else "")
         self.delete(key)
 
     def keys(self) -> Iterator[bytes]:
         """The keys this tier holds for its fingerprint, lazily (nothing when unhealthy).
 
-        A backend error part-way ends the iteration early (counted like any error)."""
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return
-        try:
-            self._faults.before_op()
+        A backend error part-way ends the iteration early (counted like any error); every
+        step's outcome reaches the gate before the key is yielded, so an abandoned iterator
+        cannot wedge it."""
+        it: Iterator[bytes] = iter(())
+
+        def first() -> bytes | None:  # the first step touches the backend: it is the probe
+            nonlocal it
             it = iter(self._keys())
-            key = next(it, None)
-        except Exception as exc:
-            self._fail("keys", exc)
+            return next(it, None)
+
+        try:
+            key = self._run("keys", first)
+            while key is not None:
+                yield key
+                key = self._run("keys", lambda: next(it, None), inject=False)
+        except TierError:
             return
-        self._gate.record_success()  # before the first yield: an abandoned iterator cannot wedge the gate
-        while key is not None:
-            yield key
-            try:
-                key = next(it, None)
-            except Exception as exc:
-                self._fail("keys", exc)
-                return
 
     def clear(self) -> int:
         """Delete every entry of this tier's fingerprint; returns how many were removed."""
-        if not self._gate.allow():
-            self._count(skipped=1)
-            return 0
         try:
-            self._faults.before_op()
-            num_removed = self._clear()
-        except Exception as exc:
-            self._fail("clear", exc)
+            num_removed = self._run("clear", self._clear)
+        except TierError:
             return 0
-        self._gate.record_success()
         self._count(deletes=num_removed)
         return num_removed
 
     def close(self) -> None:
+        """Release the backend's resources. Not gated: it must run even while the tier is
+        unhealthy, and it never takes the probe (it does not call `allow()`), so it cannot
+        wedge the gate; a backend error here is logged and dropped."""
         try:
             self._close()
         except Exception as exc:

@@ -87,6 +87,11 @@ class KeyStore:
             c = self._ciphers[tenant] = AesGcmCipher(key)
             return c
 
+    def forget(self, tenant: str) -> None:
+        """Drop the cached cipher (the next use reads the key file again)."""
+        with self._lock:
+            self._ciphers.pop(tenant, None)
+
     def destroy_all(self) -> int:
         """Destroy every data key in the directory; returns how many."""
         with self._lock:

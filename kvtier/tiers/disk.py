@@ -5,6 +5,7 @@
         <first 2 hex of key>/       256 fan-out directories keep each one small
           <key hex>.kv              one codec frame
           .<key hex>.<unique>.tmp   a write in flight (removed at start if a crash left it)
+        owners/                     per-tenant key manifests (purge by tenant)
 
 Writes go to a temp file in the target directory, then os.replace: a reader or a crash sees
 the old entry or the new one, never half of one. The in-memory index (key -> size, in LRU
@@ -14,6 +15,29 @@ a file that vanished under it (another process, an operator) is a miss and leave
 One process should own a directory at a time: two processes on one directory do not corrupt
 entries (the codec checks every frame), but each one evicts by its own index only.
 
+Locking: `_lock` guards the index only and is never held during a file-system call, so
+`contains_prefix` (the scheduler's per-step lookup) never waits on the disk. The file
+operations on one key (rename into place, unlink) take that key's stripe of `_key_locks`,
+together with the index update that goes with them:
+
+    put:    lock: choose LRU victims, reserve size ─> unlink victims ─> write temp file
+            ─> key lock: os.replace, lock: index[key] = size
+    delete: key lock: (lock: drop from index), unlink
+    victim: key lock: (lock: still out of the index?) unlink   (else a newer put owns the file)
+
+So under a key's lock "in the index" and "file exists" agree, a victim's unlink never removes
+a file a newer put installed, and a reader sees a whole old frame, a whole new one, or a miss.
+
+Privacy: the directories the tier creates are 0700 and its files 0600, whatever the umask; an
+existing fingerprint or fan-out directory open to group or others is tightened when this user
+owns it, and refused (PermissionError) when another user does. Frames are stored as given:
+without a key directory (`--kv-key-dir`) they are plaintext, only checksummed.
+
+A full file system (ENOSPC, EDQUOT) below `capacity_bytes`: the put evicts LRU entries to make
+room, retries once, and `effective_capacity_bytes` drops to what the file system held, so later
+puts evict before they write (until a restart). Only a disk full with nothing left to evict
+fails the put and trips the health gate.
+
 `ttl_s` is ignored: disk entries live until evicted or deleted.
 """
 
@@ -22,17 +46,48 @@ from __future__ import annotations
 import errno
 import itertools
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvtier.tiers.base import FaultConfig, HealthGate, Tier
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+"""A full file system or quota: eviction can make room (EFBIG, a per-file limit, it cannot)."""
+_ENOSPC_MARGIN_BYTES = 64 << 10
+"""Room freed beyond the payload after ENOSPC: file-system blocks and metadata."""
+_NUM_KEY_LOCKS = 64
+
+
+def _check_private_dir(path: Path) -> None:
+    """Tighten a directory open to group/others to 0700 when we own it; refuse another user's."""
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory; point the disk tier elsewhere")
+    if (st.st_mode & 0o077) == 0:
+        return
+    if st.st_uid != os.geteuid():
+        raise PermissionError(
+            f"{path} is owned by uid {st.st_uid} and open to other users (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); KV cache files must be private: run `chmod 700 {path}` "
+            f"as its owner, or choose another disk cache directory")
+    os.chmod(path, 0o700)
+
+
+def _make_private_dir(path: Path) -> None:
+    """Create `path` 0700 (exactly: mkdir's mode passes through the umask), or check an existing one."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        _check_private_dir(path)
+    else:
+        os.chmod(path, 0o700)
 
 
 class DiskTier(Tier):
@@ -49,27 +104,53 @@ class DiskTier(Tier):
         self.fingerprint = bytes(fingerprint)
         self.dir = Path(root_dir) / self.fingerprint.hex()
         self._capacity_bytes = int(capacity_bytes)
+        self._effective_capacity_bytes = int(capacity_bytes)
         self.fsync = fsync
         self._lock = threading.Lock()
+        """Guards the index, usage and reservations; never held during a file-system call."""
+        self._key_locks = [threading.Lock() for _ in range(_NUM_KEY_LOCKS)]
+        """Stripes that order one key's rename/unlink with its index update (see the module doc)."""
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> frame bytes, LRU first
         self._usage_bytes = 0
+        self._reserved_bytes = 0  # puts between choosing their victims and entering the index
         self._tmp_ids = itertools.count()
         self.num_removed_tmp_files = 0
         """Leftover temp files removed at start."""
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.before_io: Callable[[str, bytes], None] | None = None
+        """Test seam: called as before_io(op, key) right before a file operation on an entry (op:
+        "read", "write", "replace", "unlink"), never with `_lock` held; for an evicted or cleared
+        entry's "unlink", before its key lock is taken. None in production."""
+        root = Path(root_dir)
+        if not root.is_dir():
+            root.parent.mkdir(parents=True, exist_ok=True)
+            _make_private_dir(root)
+        _make_private_dir(self.dir)
+        _make_private_dir(self.dir / "owners")
         self._rebuild_index()
-        self._evict_to(self._capacity_bytes)
+        with self._lock:
+            victims = self._take_victims(self._usage_bytes - self._capacity_bytes, keep=None)
+        self._remove_files(victims, evicted=True)
 
     # -- paths and index ---------------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:
         hx = key.hex()
         return self.dir / hx[:2] / (hx + _SUFFIX)
 
+    def _key_lock(self, key: bytes) -> threading.Lock:
+        return self._key_locks[hash(key) % _NUM_KEY_LOCKS]
+
+    def _before_io(self, op: str, key: bytes) -> None:
+        hook = self.before_io
+        if hook is not None:
+            hook(op, key)
+
     def _rebuild_index(self) -> None:
         found: list[tuple[float, bytes, int]] = []
+        euid = os.geteuid()
         for sub in self.dir.iterdir():
             if not sub.is_dir() or len(sub.name) != 2:
                 continue
+            _check_private_dir(sub)
             with os.scandir(sub) as it:
                 for entry in it:
                     name = entry.name
@@ -82,6 +163,8 @@ class DiskTier(Tier):
                     try:
                         key = bytes.fromhex(name[:-len(_SUFFIX)])
                         st = entry.stat()
+                        if st.st_mode & 0o077 and st.st_uid == euid:  # written before files were 0600
+                            os.chmod(entry.path, 0o600)
                     except (ValueError, OSError):
                         continue  # not ours, or gone
                     if key.hex()[:2] != sub.name:
@@ -152,19 +235,43 @@ class DiskTier(Tier):
         except FileNotFoundError:
             pass
 
-    def _forget(self, key: bytes) -> None:
-        """Drop a key whose file is gone (lock held)."""
+    def _forget(self, key: bytes) -> bool:
+        """Drop a key from the index (lock held). True when it was there."""
         size = self._index.pop(key, None)
-        if size is not None:
-            self._usage_bytes -= size
+        if size is None:
+            return False
+        self._usage_bytes -= size
+        return True
 
-    def _evict_to(self, target_bytes: int) -> None:
-        """Evict LRU entries until usage <= target (lock held, or during __init__)."""
-        while self._usage_bytes > target_bytes and self._index:
-            key, size = self._index.popitem(last=False)
-            self._usage_bytes -= size
-            self._unlink_quietly(self._path(key))
-            self._count(evictions=1)
+    def _take_victims(self, excess_bytes: int, keep: bytes | None) -> list[bytes]:
+        """Take LRU entries other than `keep` out of the index until they add up to `excess_bytes`
+        (lock held). The caller removes their files after releasing the lock (`_remove_files`)."""
+        if excess_bytes <= 0:
+            return []
+        victims: list[bytes] = []
+        for key, size in self._index.items():
+            if key == keep:
+                continue
+            victims.append(key)
+            excess_bytes -= size
+            if excess_bytes <= 0:
+                break
+        for key in victims:
+            self._forget(key)
+        return victims
+
+    def _remove_files(self, keys: list[bytes], *, evicted: bool) -> None:
+        """Unlink the files of keys already taken out of the index, except where a put has
+        installed the key again meanwhile (that file is the newer entry)."""
+        if evicted and keys:
+            self._count(evictions=len(keys))
+        for key in keys:
+            self._before_io("unlink", key)  # before the key lock: a newer put of the key may land now
+            with self._key_lock(key):
+                with self._lock:
+                    if key in self._index:
+                        continue
+                self._unlink_quietly(self._path(key))
 
     # -- backend -------------------------------------------------------------------------------------
     def _error_kind(self, exc: BaseException) -> str:
@@ -186,12 +293,21 @@ class DiskTier(Tier):
                 return None
             self._index.move_to_end(key)
         path = self._path(key)
+        data = self._read(key, path)
+        if data is None:  # deleted or evicted since the lookup, or removed behind our back
+            with self._key_lock(key):
+                if not path.exists():  # not installed again meanwhile (puts install under the key lock)
+                    with self._lock:
+                        self._forget(key)
+        return data
+
+    def _read(self, key: bytes, path: Path) -> bytes | None:
+        """The whole file, or None when it is gone. An unlink or replace racing the read leaves
+        the open file intact, so this is the old frame or the new one, never a mix."""
+        self._before_io("read", key)
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            with self._lock:
-                if not path.exists():  # not re-put meanwhile (puts replace under the lock)
-                    self._forget(key)
             return None
         try:
             size = os.fstat(fd).st_size
@@ -214,10 +330,53 @@ class DiskTier(Tier):
         if size > self._capacity_bytes:
             self._count_error("too_large")
             return False
+        with self._lock:  # room first: a full file system must not hold the new file and the victims
+            excess = (self._usage_bytes - self._index.get(key, 0) + self._reserved_bytes + size
+                      - self._effective_capacity_bytes)
+            victims = self._take_victims(excess, keep=key)
+            self._reserved_bytes += size
+        installed = False
+        try:
+            self._remove_files(victims, evicted=True)
+            try:
+                tmp = self._write_temp(key, payload)
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE_ERRNOS:
+                    raise
+                self._make_room_after_disk_full(key, size, exc)
+                tmp = self._write_temp(key, payload)  # full again: a real failure (gate trips)
+                self._count_error("disk_full")  # resolved by eviction: counted, gate stays closed
+            self._install(key, tmp, size)
+            installed = True
+        finally:
+            if not installed:
+                with self._lock:
+                    self._reserved_bytes -= size
+        return True
+
+    def _make_room_after_disk_full(self, key: bytes, size: int, exc: OSError) -> None:
+        """ENOSPC below the capacity: what is stored now is what the file system holds. Lower the
+        effective capacity to it and evict the payload's size plus a margin; re-raise `exc` when
+        there is nothing of ours to evict."""
+        with self._lock:
+            if not any(k != key for k in self._index):
+                raise exc
+            held_bytes = self._usage_bytes + self._reserved_bytes - size
+            self._effective_capacity_bytes = min(self._effective_capacity_bytes, held_bytes)
+            victims = self._take_victims(size + max(size // 8, _ENOSPC_MARGIN_BYTES), keep=key)
+        self._remove_files(victims, evicted=True)
+
+    def _write_temp(self, key: bytes, payload: bytes) -> Path:
+        """Write `payload` to a new 0600 temp file beside the entry's path; returns its path."""
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.parent / f".{path.stem}.{os.getpid()}.{threading.get_ident()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        tmp = path.parent / f".{path.stem}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self._before_io("write", key)
+        try:
+            fd = os.open(tmp, flags, 0o600)  # the umask can only clear bits: never wider than 0600
+        except FileNotFoundError:  # the first entry of this fan-out directory (or it was removed)
+            _make_private_dir(path.parent)
+            fd = os.open(tmp, flags, 0o600)
         try:
             try:
                 view = memoryview(payload)
@@ -227,31 +386,39 @@ class DiskTier(Tier):
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            with self._lock:
-                self._forget(key)  # a replaced entry frees its bytes first
-                self._evict_to(self._capacity_bytes - size)
-                os.replace(tmp, path)
-                self._index[key] = size
-                self._usage_bytes += size
         except BaseException:
             self._unlink_quietly(tmp)
             raise
+        return tmp
+
+    def _install(self, key: bytes, tmp: Path, size: int) -> None:
+        """Rename the temp file into place and index it, under the key's lock."""
+        path = self._path(key)
+        with self._key_lock(key):
+            self._before_io("replace", key)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                self._unlink_quietly(tmp)
+                raise
+            with self._lock:
+                self._reserved_bytes -= size
+                self._forget(key)  # a replaced entry frees its bytes
+                self._index[key] = size
+                self._usage_bytes += size
         if self.fsync:
             dfd = os.open(path.parent, os.O_RDONLY)
             try:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-        return True
 
     def _delete(self, key: bytes) -> bool:
-        with self._lock:
-            existed = key in self._index
-            self._forget(key)
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
+        with self._key_lock(key):
+            with self._lock:
+                existed = self._forget(key)
+            self._before_io("unlink", key)
+            self._unlink_quietly(self._path(key))
         return existed
 
     def _keys(self) -> Iterable[bytes]:
@@ -261,9 +428,9 @@ class DiskTier(Tier):
     def _clear(self) -> int:
         with self._lock:
             keys = list(self._index)
-            for key in keys:
-                self._forget(key)
-                self._unlink_quietly(self._path(key))
+            self._index.clear()
+            self._usage_bytes = 0
+        self._remove_files(keys, evicted=False)
         return len(keys)
 
     # -- sizes ---------------------------------------------------------------------------------------
@@ -275,6 +442,12 @@ class DiskTier(Tier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
+
+    @property
+    def effective_capacity_bytes(self) -> int:
+        """The capacity puts evict to: `capacity_bytes`, or less after the file system filled up
+        below it (what it held then; until a restart)."""
+        return self._effective_capacity_bytes
 
     def __len__(self) -> int:
         return len(self._index)

@@ -23,10 +23,12 @@ import threading
 import time
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvtier.cost.model import CostModel, TierRun
-from kvtier.tiers.base import FaultConfig, TierStats
+from kvtier.tiers.base import FaultConfig, TierError, TierStats
+from kvtier.tiers.purge import ALL, OwnerFence, PurgeLedger, unlink_remote
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,16 @@ def owner_id(owner: str | None) -> str:
     return hashlib.sha256((owner or DEFAULT_OWNER).encode("utf-8")).hexdigest()[:32]
 """The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
 TIER_ORDER = ("host", "disk", "remote")
+
+
+def _ledger_path(config: "TierConfig", fingerprint: bytes) -> Path | None:
+    """Where pending purges are kept: beside the keys, else beside the disk tier, else nowhere
+    (memory only: a pending remote purge is then forgotten when the process exits)."""
+    directory = config.key_dir or config.disk_cache_dir
+    if directory is None:
+        return None
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return Path(directory) / f"pending-purges-{fingerprint.hex()}.json"
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,13 @@ class TierConfig:
     key_dir: str | None = None
     """Encrypt disk and remote payloads at rest with per-tenant AES-256-GCM data keys kept in
     this directory (owner-only); destroying a tenant's key makes every copy unreadable."""
+    master_key_file: str | None = None
+    """Fleet encryption (kvtier.tiers.keyring): data keys wrapped by this master key and kept
+    in the remote tier, so every instance given the same file reads every other's entries and
+    a purge anywhere destroys the tenant's one key. Needs remote_cache_url."""
+    key_check_interval_s: float = 1.0
+    """With master_key_file: how long an instance may use a cached data key before it re-reads
+    the wrapped one (the bound on noticing a purge made by another instance)."""
     restore_policy: str = "cost"
     """'cost': restore a stored prefix only when the cost model says it beats recomputing it;
     'always': restore whatever is stored (what engines without a cost model do)."""
@@ -89,6 +108,11 @@ class TierConfig:
             raise ValueError("disk_cache_bytes needs disk_cache_dir")
         if self.restore_policy not in ("cost", "always"):
             raise ValueError("restore_policy must be 'cost' or 'always'")
+        if self.master_key_file is not None and not self.remote_cache_url:
+            raise ValueError("master_key_file (--kv-master-key-file) needs a remote tier "
+                             "(--remote-cache-url): the wrapped data keys live there")
+        if self.key_check_interval_s < 0:
+            raise ValueError("key_check_interval_s must be >= 0")
         if self.compression not in (None, "lz4", "zstd"):
             raise ValueError("compression must be None, 'lz4' or 'zstd'")
         for tier, spec in self.faults:
@@ -124,6 +148,8 @@ class HierarchyStats:
     demotions: int = 0
     promotions: int = 0
     quota_evictions: int = 0
+    stores_fenced: int = 0
+    """Blocks not stored because their tenant was purged after they were queued."""
 
 
 class TierHierarchy:
@@ -152,16 +178,42 @@ class TierHierarchy:
         self.owner_ttl_s: dict[str | None, float] = {}
         """Per-tenant time to live of stored KV (set by the server from its tenant config)."""
         self.keys = None
-        if config.key_dir:
+        self.revoked_owners: set[str | None] = set()
+        """Tenants whose fleet data key another instance destroyed or replaced: the engine
+        purges its own copies of them (AsyncEngine) and clears the entry."""
+        if config.master_key_file:
+            from kvtier.tiers.keyring import FleetKeyring, read_master_key
+            self.keys = FleetKeyring(read_master_key(config.master_key_file), self.tiers["remote"],
+                                     check_interval_s=config.key_check_interval_s,
+                                     on_revoked=self._on_key_revoked)
+        elif config.key_dir:
             from kvtier.tiers.crypto import KeyStore
             self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
         self._pool = executor or ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
+        self._admin: ThreadPoolExecutor | None = None  # purges, sweeps: off the engine thread
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # pending stores drained (flush)
+        self.fence = OwnerFence()
+        self.ledger = PurgeLedger(_ledger_path(config, fingerprint))
+        self._held: set[str] = set()  # owner ids fenced until their pending remote purge is done
+        for oid in self.ledger.pending():
+            self.fence.begin(oid)
+            self._held.add(oid)
         self._pending_stores = 0
         self._inflight: dict[str, int] = {name: 0 for name in self.names}
         self.stats = HierarchyStats()
         self._closed = False
+
+    def use_fleet_keys(self, master_key_file: str, check_interval_s: float = 1.0) -> None:
+        """Switch to fleet keys (kvtier.tiers.keyring) before any request runs: what
+        `master_key_file` in the config does, for a caller that built the hierarchy already."""
+        from kvtier.tiers.keyring import FleetKeyring, read_master_key
+
+        if "remote" not in self.tiers:
+            raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
+        self.keys = FleetKeyring(read_master_key(master_key_file), self.tiers["remote"],
+                                 check_interval_s=check_interval_s, on_revoked=self._on_key_revoked)
 
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
@@ -232,6 +284,8 @@ class TierHierarchy:
 
     # ------------------------------------------------------------------ load
     def _cipher(self, owner: str | None):
+        """The owner's cipher (None: no encryption). Raises KeyDestroyedError / KeyringError
+        when there is none to be had: the caller skips the block (a store) or misses (a load)."""
         return None if self.keys is None else self.keys.cipher(owner or DEFAULT_OWNER)
 
     def _encode(self, kv: Any, key: bytes, owner: str | None) -> bytes:
@@ -244,12 +298,51 @@ class TierHierarchy:
     def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
         """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode."""
         from kvtier.tiers.codec import CodecError, decode
+        from kvtier.tiers.crypto import KeyDestroyedError
+        from kvtier.tiers.keyring import KeyringError
 
         try:
-            return decode(data, fingerprint=self.fingerprint, key=key, cipher=self._cipher(owner))
+            cipher = self._cipher(owner)
+        except (KeyDestroyedError, KeyringError):
+            return None  # no key to be had now: a miss, the entry stays
+        try:
+            return decode(data, fingerprint=self.fingerprint, key=key, cipher=cipher)
         except CodecError:
+            fresh = self._recheck_key(owner, cipher)
+            if fresh is not None:  # another instance made the entry with the fleet's newer key
+                try:
+                    return decode(data, fingerprint=self.fingerprint, key=key, cipher=fresh)
+                except CodecError:
+                    pass
             tier.report_corrupt(key)
             return None
+
+    def _recheck_key(self, owner: str | None, used: Any) -> Any | None:
+        """Fleet keys: the owner's current cipher if it differs from `used`, else None."""
+        if used is None or not hasattr(self.keys, "check"):
+            return None
+        try:
+            fresh = self.keys.check(owner or DEFAULT_OWNER)
+        except Exception:  # noqa: BLE001 - Redis unreachable, a wrong master key: treat as corrupt
+            return None
+        return fresh if fresh is not None and fresh.key_id != used.key_id else None
+
+    def _on_key_revoked(self, tenant: str) -> None:
+        """The fleet keyring saw `tenant`'s key destroyed or replaced by another instance."""
+        with self._lock:
+            self.revoked_owners.add(None if tenant == DEFAULT_OWNER else tenant)
+
+    def refresh_key(self, owner: str | None) -> None:
+        """Fleet keys: re-read `owner`'s wrapped key if the cached one is older than the check
+        interval (any thread; a revocation lands in `revoked_owners`). No-op otherwise."""
+        refresh = getattr(self.keys, "refresh", None)
+        if refresh is not None:
+            refresh(owner or DEFAULT_OWNER)
+
+    def take_revoked(self) -> list[str | None]:
+        with self._lock:
+            out, self.revoked_owners = list(self.revoked_owners), set()
+        return out
 
     def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
         """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
@@ -261,10 +354,25 @@ class TierHierarchy:
             for name in set(plan):
                 self._inflight[name] += 1
             self._update_queue_estimates()
-        return self._pool.submit(self._load, keys, plan, time.perf_counter(), owner)
+        stamp = self.fence.stamp(owner_id(owner))
+        return self._pool.submit(self._fenced_load, keys, plan, time.perf_counter(), owner, stamp)
 
-    def _load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None = None) -> LoadResult:
+    def _fenced_load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None,
+                     stamp: tuple[int, int]) -> LoadResult:
+        """A load of a tenant purged since it was queued (or being purged) loads nothing."""
+        with self.fence.enter(owner_id(owner), stamp) as ok:
+            if ok:
+                return self._load(keys, plan, submitted, owner, stamp)
+        with self._lock:
+            for name in set(plan):
+                self._inflight[name] -= 1
+            self._update_queue_estimates()
+        return LoadResult([], {}, 0.0, time.perf_counter() - submitted)
+
+    def _load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None = None,
+              stamp: tuple[int, int] | None = None) -> LoadResult:
         t_start = time.perf_counter()
+        stamp = stamp if stamp is not None else self.fence.stamp(owner_id(owner))
         out: list[Any] = []
         per_tier: dict[str, int] = {}
         tier_time: dict[str, float] = {}
@@ -275,7 +383,7 @@ class TierHierarchy:
                 tier = self.tiers[name]
                 if name == "host":
                     entry = tier.get(key)
-                    kv = None if entry is None else entry[0]
+                    kv = None if entry is None or entry[3] != stamp else entry[0]
                 else:
                     if name == "remote" and key not in prefetched:
                         # one round trip for the next run of remote blocks (up to 32)
@@ -286,7 +394,7 @@ class TierHierarchy:
                     if kv is not None:
                         host = self.tiers.get("host")
                         if host is not None:
-                            host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
+                            host.put(key, (kv, owner, time.monotonic(), stamp), self.block_bytes)
                             self.stats.promotions += 1
                 tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
                 if kv is None:
@@ -329,7 +437,8 @@ class TierHierarchy:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
             for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
-                    host.put(key, (kv, owner, time.monotonic()), self.block_bytes)
+                    host.put(key, (kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner))),
+                             self.block_bytes)
             for owner in set(owners):
                 cap = self.owner_quota.get(owner, (None, None))[0]
                 if cap is not None:
@@ -343,52 +452,72 @@ class TierHierarchy:
         lower = [n for n in ("disk", "remote") if n in self.tiers]
         if lower:
             self.stats.demotions += 1
-            kv, owner, _ = entry
-            self._submit_store([key], [kv], [owner], lower)
+            kv, owner, _, stamp = entry
+            self._submit_store([key], [kv], [owner], lower, [stamp])
 
     def _submit_store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
-                      names: list[str]) -> None:
+                      names: list[str], stamps: list[tuple[int, int]] | None = None) -> None:
+        """Queue a store; each block carries its owner's stamp of now (or of when the host
+        tier got it, for a demotion), so a purge in between fences it off."""
+        if stamps is None:
+            stamps = [self.fence.stamp(owner_id(o)) for o in owners]
         with self._lock:
             if self._pending_stores + len(keys) > self.config.max_pending_stores:
                 self.stats.stores_dropped += len(keys)
                 return
             self._pending_stores += len(keys)
-        self._pool.submit(self._store, keys, tensors, owners, names)
+        self._pool.submit(self._store, keys, tensors, owners, names, stamps)
 
     def _store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
-               names: list[str]) -> None:
-        stored: dict[tuple[str, str | None], list[bytes]] = {}
+               names: list[str], stamps: list[tuple[int, int]] | None = None) -> None:
         try:
-            for key, kv, owner in zip(keys, tensors, owners):
-                data = None
-                for name in names:
-                    tier = self.tiers[name]
-                    if name == "disk" and tier.contains_prefix([key]):
+            stamps = stamps or [self.fence.stamp(owner_id(o)) for o in owners]
+            groups: dict[tuple[str | None, tuple[int, int]], list[int]] = {}
+            for i, group in enumerate(zip(owners, stamps)):
+                groups.setdefault(group, []).append(i)
+            for (owner, stamp), idx in groups.items():
+                with self.fence.enter(owner_id(owner), stamp) as ok:
+                    if not ok:
+                        self.stats.stores_fenced += len(idx)
                         continue
-                    if data is None:
-                        data = self._encode(kv, key, owner)
-                    if tier.put(key, data, self._remote_ttl(owner) if name == "remote" else None):
-                        stored.setdefault((name, owner), []).append(key)
-            for (name, owner), done in stored.items():
-                self.tiers[name].record_owner(owner_id(owner), done)
-                cap = self.owner_quota.get(owner, (None, None))[1]
-                if name == "disk" and cap is not None:
-                    self._enforce_disk_quota(self.tiers[name], owner, cap)
+                    self._store_owned([keys[i] for i in idx], [tensors[i] for i in idx], owner, names)
         except Exception:  # a store is best effort; tiers count their own errors
             logger.exception("store to %s failed", names)
         finally:
-            with self._lock:
+            with self._cond:
                 self._pending_stores -= len(keys)
+                self._cond.notify_all()
+
+    def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: str | None,
+                     names: list[str]) -> None:
+        """Write one owner's blocks and record them in its manifests (inside its fence)."""
+        from kvtier.tiers.crypto import KeyDestroyedError
+        from kvtier.tiers.keyring import KeyringError
+
+        stored: dict[str, list[bytes]] = {}
+        for key, kv in zip(keys, tensors):
+            data = None
+            for name in names:
+                tier = self.tiers[name]
+                if name == "disk" and tier.contains_prefix([key]):
+                    continue
+                if data is None:
+                    try:
+                        data = self._encode(kv, key, owner)
+                    except (KeyDestroyedError, KeyringError):
+                        return  # no data key to be had now (Redis down): nothing is stored
+                if tier.put(key, data, self._remote_ttl(owner) if name == "remote" else None):
+                    stored.setdefault(name, []).append(key)
+        for name, done in stored.items():
+            self.tiers[name].record_owner(owner_id(owner), done)
+            cap = self.owner_quota.get(owner, (None, None))[1]
+            if name == "disk" and cap is not None:
+                self._enforce_disk_quota(self.tiers[name], owner, cap)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued stores are written (tests, shutdown). True if drained."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._pending_stores == 0:
-                    return True
-            time.sleep(0.002)
-        return False
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending_stores == 0, timeout_s)
 
     # ------------------------------------------------------------------ tenants
     def _enforce_host_quota(self, host: Any, owner: str | None, cap_bytes: int) -> None:
@@ -431,32 +560,159 @@ class TierHierarchy:
             counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s)
         return counts
 
-    def purge_owner(self, owner: str | None) -> dict[str, int]:
-        """Delete every stored block of `owner` from every tier and destroy its data key."""
-        self.flush()
-        oid = owner_id(owner)
-        counts: dict[str, int] = {}
-        host = self.tiers.get("host")
-        if host is not None:
-            counts["host"] = host.purge_where(lambda entry: entry[1] == owner)
-        for name in ("disk", "remote"):
-            tier = self.tiers.get(name)
-            if tier is not None:
-                keys = tier.owner_keys(oid)
-                counts[name] = tier.purge(keys)
-                tier.forget_owner(oid)
-        if self.keys is not None:
-            counts["key_destroyed"] = int(self.keys.destroy(owner or DEFAULT_OWNER))
-        return counts
+    # ------------------------------------------------------------------ purges
+    def submit_admin(self, fn: Any, *args: Any) -> Future:
+        """Run `fn(*args)` on the admin worker (one thread: purges, sweeps, usage), never on
+        the engine thread and never behind the loads and stores of the I/O pool."""
+        if self._admin is None:
+            self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-admin")
+        return self._admin.submit(fn, *args)
 
-    def purge_all(self) -> dict[str, int]:
+    def purge_owner(self, owner: str | None) -> dict[str, Any]:
+        """Delete every stored block of `owner` from every tier and destroy its data key
+        (blocking; the server uses begin_purge)."""
+        return self.begin_purge(owner).result()
+
+    def begin_purge(self, owner: str | None, everywhere: bool = True) -> Future:
+        """Fence off `owner`'s tier I/O and drop its host entries now (cheap, in memory); the
+        rest runs on the admin worker. The future's result: blocks deleted per tier,
+        `key_destroyed`, and `pending`: the tiers whose part could not be done (kept in the
+        ledger and retried by retry_pending_purges; the owner stays fenced off meanwhile).
+        `everywhere` False: only this instance's copies (host, disk), for a fleet key that
+        another instance destroyed."""
+        oid = owner_id(owner)
+        self.fence.begin(oid)
+        host = self.tiers.get("host")
+        num_host = host.purge_where(lambda e: e[1] == owner) if host is not None else 0
+        forget = getattr(self.keys, "forget", None)
+        if forget is not None:
+            forget(owner or DEFAULT_OWNER)  # this process stops using the key at once
+        return self.submit_admin(self._finish_purge, owner, oid, num_host, everywhere)
+
+    def _finish_purge(self, owner: str | None, oid: str, num_host: int, everywhere: bool) -> dict[str, Any]:
+        settled = False
+        try:
+            self.fence.wait_quiet(oid)  # stores and loads that began before the fence
+            counts: dict[str, Any] = {}
+            host = self.tiers.get("host")
+            if host is not None:  # again: promotions of loads that were in flight
+                counts["host"] = num_host + host.purge_where(lambda e: e[1] == owner)
+            disk = self.tiers.get("disk")
+            if disk is not None:
+                counts["disk"] = disk.purge(disk.owner_keys(oid))
+                disk.forget_owner(oid)
+            pending: list[str] = []
+            if everywhere:
+                if "remote" in self.tiers:
+                    try:
+                        counts["remote"] = self._purge_remote(oid)
+                    except TierError as e:
+                        logger.warning("purge of tenant %s: remote tier not purged (%s); pending", oid, e)
+                        counts["remote"] = None
+                        pending.append("remote")
+                if self.keys is not None and not hasattr(self.keys, "check"):
+                    counts["key_destroyed"] = int(self.keys.destroy(owner or DEFAULT_OWNER))
+                elif self.keys is not None:
+                    counts["key_destroyed"] = 0 if pending else 1
+            counts["pending"] = pending
+            self._settle(oid, pending)
+            settled = True
+            return counts
+        finally:
+            if not settled:
+                self.fence.end(oid)
+
+    def _settle(self, oid: str, pending: list[str]) -> None:
+        """After a purge attempt: record or clear `oid`'s pending part, and lift the fence
+        once nothing is pending (the ledger's hold keeps it up until then)."""
+        if pending:
+            self.ledger.add(oid, pending)
+            if oid in self._held:
+                self.fence.end(oid)
+            else:
+                self._held.add(oid)
+            return
+        self.ledger.done(oid)
+        self.fence.end(oid)
+        if oid in self._held:
+            self._held.discard(oid)
+            self.fence.end(oid)
+
+    def _purge_remote(self, oid: str) -> int:
+        """Delete `oid`'s Redis entries (ALL: every entry of this model configuration), its
+        owner set and, with fleet keys, its wrapped data key. Raises TierError."""
+        remote = self.tiers["remote"]
+        if oid == ALL:
+            n = remote.call("purge", remote._clear)
+            if hasattr(self.keys, "check"):
+                self.keys.destroy_all()
+            return n
+        n = unlink_remote(remote, remote.owner_keys(oid, strict=True))
+        remote.forget_owner(oid, strict=True)
+        if hasattr(self.keys, "check"):
+            self.keys.destroy_oid(oid)
+        return n
+
+    def retry_pending_purges(self, wait_gate_s: float = 5.0) -> dict[str, list[str]]:
+        """Finish the pending purges whose tiers answer now (admin worker). A tier in back-off
+        is waited for (at most `wait_gate_s`) so that a caller retrying right after the
+        backend returned gets its answer. Returns what is still pending per owner id."""
+        remote = self.tiers.get("remote")
+        for oid in self.ledger.pending():
+            if remote is not None and not remote.healthy:
+                time.sleep(min(remote.health.retry_in_s, wait_gate_s))
+            try:
+                if remote is not None:
+                    self._purge_remote(oid)
+            except TierError as e:
+                logger.info("pending purge of %s still pending: %s", oid, e)
+                continue
+            self.fence.begin(oid)
+            self._settle(oid, [])
+        return {oid: rec["tiers"] for oid, rec in self.ledger.pending().items()}
+
+    def pending_purges(self) -> dict[str, list[str]]:
+        """{owner id: tiers} of purges not finished yet."""
+        return {oid: rec["tiers"] for oid, rec in self.ledger.pending().items()}
+
+    def purge_all(self) -> dict[str, Any]:
         """Delete every stored block of this model configuration from every tier and destroy
-        every data key."""
-        self.flush()
-        counts = {name: tier.clear() for name, tier in self.tiers.items()}
-        if self.keys is not None:
-            counts["keys_destroyed"] = self.keys.destroy_all()
-        return counts
+        every data key (blocking; the server uses begin_purge_all)."""
+        return self.begin_purge_all().result()
+
+    def begin_purge_all(self) -> Future:
+        self.fence.begin(ALL)
+        host = self.tiers.get("host")
+        num_host = host.clear() if host is not None else 0
+        return self.submit_admin(self._finish_purge_all, num_host)
+
+    def _finish_purge_all(self, num_host: int) -> dict[str, Any]:
+        settled = False
+        try:
+            self.fence.wait_quiet(ALL)
+            counts: dict[str, Any] = {}
+            for name, tier in self.tiers.items():
+                if name == "host":
+                    counts[name] = num_host + tier.clear()
+                elif name == "disk":
+                    counts[name] = tier.clear()
+            pending: list[str] = []
+            if "remote" in self.tiers:
+                try:
+                    counts["remote"] = self._purge_remote(ALL)
+                except TierError as e:
+                    logger.warning("purge of every tenant: remote tier not purged (%s); pending", e)
+                    counts["remote"] = None
+                    pending.append("remote")
+            if self.keys is not None and not hasattr(self.keys, "check"):
+                counts["keys_destroyed"] = self.keys.destroy_all()
+            counts["pending"] = pending
+            self._settle(ALL, pending)
+            settled = True
+            return counts
+        finally:
+            if not settled:
+                self.fence.end(ALL)
 
     def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -486,6 +742,8 @@ class TierHierarchy:
     def close(self) -> None:
         self._closed = True
         self.flush(5.0)
+        if self._admin is not None:
+            self._admin.shutdown(wait=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
         for tier in self.tiers.values():
             if hasattr(tier, "close") and tier.name != "host":

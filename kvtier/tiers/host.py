@@ -128,21 +128,24 @@ class HostTier(TierCounters):
                 if key in self._entries:
                     self._entries.move_to_end(key)
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, *, only_if: object | None = None) -> bool:
+        """Remove an entry; with `only_if`, only while that object is still the stored value."""
         with self._lock:
-            size = self._sizes.pop(key, None)
-            if size is None:
+            if key not in self._sizes or (only_if is not None and self._entries[key] is not only_if):
                 return False
+            size = self._sizes.pop(key)
             del self._entries[key]
             self._usage -= size
             self._stats.deletes += 1
             return True
 
     def purge_where(self, predicate) -> int:
-        """Delete every entry whose stored value satisfies `predicate`; returns how many."""
+        """Delete every entry whose stored value satisfies `predicate`; returns how many.
+        `predicate` runs outside the lock, on a snapshot of the entries, so it may be slow or
+        call back into the tier; an entry replaced meanwhile is kept (it was not judged)."""
         with self._lock:
-            doomed = [k for k, v in self._entries.items() if predicate(v)]
-        return sum(self.delete(k) for k in doomed)
+            entries = list(self._entries.items())
+        return sum(self.delete(k, only_if=v) for k, v in entries if predicate(v))
 
     def purge(self, keys) -> int:
         return sum(self.delete(k) for k in keys)

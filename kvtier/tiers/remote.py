@@ -1,6 +1,13 @@
 """RemoteTier: a Redis / Valkey server or cluster that several engine processes share.
 
     entry  "<key_prefix>:<fingerprint hex>:<key hex>" -> codec frame   (SET ... PX ttl)
+    in a cluster  "<key_prefix>:<fingerprint hex>:{<key[:4] hex>}<key hex>"
+
+In a cluster the braces make key[:4], the key's run tag (kvcache/keys.py), the hash tag: a run
+of about 32 consecutive blocks of a chain lives on one master, so losing a master cuts a chain
+at its first run there, not at its first block there (docs/benchmarks.md, "Redis Cluster
+failure domain"). Configure `cluster-require-full-coverage no` so the other masters keep
+serving while one is down.
 
 Nothing process-local is needed for correctness: every process that loads the same model and
 configuration computes the same keys, and every frame carries its fingerprint and key, which
@@ -13,28 +20,46 @@ URLs:
     redis+cluster://host:port[,host:port...] Redis Cluster (also rediss+cluster, valkey+cluster,
     redis://host:port?cluster=1              and valkeys+cluster); db must be 0
 
+Query options, the same for a server and a cluster (redis-py's names; anything else is a
+ValueError): ssl_ca_certs, ssl_ca_path, ssl_cert_reqs (required / optional / none),
+ssl_certfile, ssl_keyfile, ssl_password, ssl_check_hostname (the ssl_* ones need a TLS scheme),
+socket_timeout, socket_connect_timeout (override `timeout_s`), socket_keepalive, client_name,
+max_connections, protocol; user and password come from the URL's userinfo.
+
 Failures: socket timeouts are TierError kind "timeout", refused or reset connections
 "connection"; the health gate then skips the server for a backoff. redis-py's connection pool
 reconnects by itself once the server is back; a cluster client is rebuilt after a connection
 failure, so a restarted cluster is rediscovered. Connection errors are retried once at once
 (a pooled socket may be stale after a server restart); timeouts are never retried.
+
+usage_bytes after an outage: a server that restarted has lost (no persistence) or reloaded its
+entries, so the sizes this instance accounted may name keys that are gone. Whenever the gate
+reopens after failures, the tier resyncs: one pipelined EXISTS per 512 accounted keys,
+forgetting the missing ones (this works the same for every node of a cluster, and also
+catches the server's own evictions at that moment). A restart that no operation noticed
+(redis-py reconnects a dead pooled socket by itself) is caught on a single server by its
+run_id: every new connection reads INFO server, and a run_id other than the last one seen
+triggers the same resync.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
+import ssl
 import threading
 import time
 from typing import Any, Iterable
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import parse_url as redis_parse_url
 from redis.retry import Retry
 
-from kvtier.tiers.base import FaultConfig, HealthGate, Tier
+from kvtier.kvcache.keys import TAG_BYTES
+from kvtier.tiers.base import FaultConfig, HealthGate, Tier, TierError
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +67,10 @@ _SCHEMES = {"redis": ("redis", False), "rediss": ("rediss", False), "valkey": ("
             "valkeys": ("rediss", False), "redis+cluster": ("redis", True),
             "rediss+cluster": ("rediss", True), "valkey+cluster": ("redis", True),
             "valkeys+cluster": ("rediss", True)}
+_TLS_OPTIONS = {"ssl_ca_certs", "ssl_ca_path", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile",
+                "ssl_password", "ssl_check_hostname"}
+_URL_OPTIONS = _TLS_OPTIONS | {"socket_timeout", "socket_connect_timeout", "socket_keepalive",
+                               "client_name", "max_connections", "protocol"}
 _BATCH = 512
 _PREFIX_LUA = """
 for i, name in ipairs(KEYS) do
@@ -68,9 +97,22 @@ def parse_url(url: str) -> tuple[str, bool]:
     for name, value in query:
         if name == "cluster":
             cluster = cluster or value.lower() in ("1", "true", "yes", "on")
+        elif name not in _URL_OPTIONS:
+            raise ValueError(f"unknown option {name!r} in remote tier URL {url!r}; accepted: "
+                             f"cluster, {', '.join(sorted(_URL_OPTIONS))}")
+        elif name in _TLS_OPTIONS and base_scheme != "rediss":
+            raise ValueError(f"{name} in {url!r} needs a TLS URL: use rediss:// (or "
+                             f"rediss+cluster://, valkeys://)")
         else:
             rest.append((name, value))
     return urlunsplit((base_scheme, parts.netloc, parts.path, urlencode(rest), "")), cluster
+
+
+def _scripting_refused(exc: redis.ResponseError) -> bool:
+    """Does this error say the server will never run scripts for us (not a passing state)?"""
+    msg = str(exc).lower()
+    return (msg.startswith(("unknown command", "err unknown command", "noperm"))
+            or "no permissions" in msg or "disabled" in msg)
 
 
 class RemoteTier(Tier):
@@ -93,6 +135,8 @@ class RemoteTier(Tier):
         self._redis_url, self.cluster = parse_url(url)
         self._name_prefix = f"{key_prefix}:{self.fingerprint.hex()}:".encode()
         self._client_lock = threading.Lock()
+        self._resync_due = False  # the server restarted or came back: resync sizes (module doc)
+        self._server_run_id: str | None = None
         if self.cluster:
             self._cluster_startup()  # a bad URL fails here, not in a worker thread
         self._client: Any = None if self.cluster else self._make_client()  # cluster: lazily
@@ -111,11 +155,28 @@ class RemoteTier(Tier):
         return dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
                     retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
 
+    def _on_connect(self, connection: Any) -> None:
+        """redis-py's connect hook (single server): set the connection up as usual, then note
+        whether the server restarted since the last connection (see the module doc)."""
+        connection.on_connect()
+        connection.send_command("INFO", "server")
+        try:
+            info = connection.read_response()
+        except redis.ResponseError:  # an ACL without INFO (it is @dangerous): no restart check
+            return
+        text = info.decode() if isinstance(info, bytes) else str(info)
+        run_id = next((line[7:].strip() for line in text.splitlines() if line.startswith("run_id:")), None)
+        if run_id is not None:
+            if self._server_run_id is not None and run_id != self._server_run_id:
+                self._resync_due = True
+            self._server_run_id = run_id
+
     def _cluster_startup(self) -> dict[str, Any]:
-        """RedisCluster arguments from the URL (checked at construction, used lazily)."""
+        """RedisCluster arguments from the URL (checked at construction, used lazily): the
+        startup nodes, and the URL's TLS, auth and socket options converted exactly as
+        redis-py's from_url converts them for a single server."""
         parts = urlsplit(self._redis_url)
         userinfo, _, hosts = parts.netloc.rpartition("@")
-        username, _, password = userinfo.partition(":")
         if parts.path not in ("", "/", "/0"):
             raise ValueError(f"a Redis Cluster has only db 0, got {self.url!r}")
         nodes = []
@@ -126,13 +187,21 @@ class RemoteTier(Tier):
             if not host or not port.isdigit():
                 raise ValueError(f"bad cluster node {hostport!r} in {self.url!r}; expected host:port")
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
-        return dict(startup_nodes=nodes, ssl=parts.scheme == "rediss",
-                    username=unquote(username) or None, password=unquote(password) or None)
+        # one node in the URL, so that redis-py parses the options: same names, same types
+        host = f"[{nodes[0].host}]" if ":" in nodes[0].host else nodes[0].host  # IPv6
+        one = urlunsplit((parts.scheme, (userinfo + "@" if userinfo else "") + f"{host}:{nodes[0].port}",
+                          "", parts.query, ""))
+        options = redis_parse_url(one)
+        for name in ("host", "port", "db", "connection_class"):
+            options.pop(name, None)
+        return dict(startup_nodes=nodes, ssl=parts.scheme == "rediss", **options)
 
     def _make_client(self) -> Any:
         if not self.cluster:
-            return redis.Redis.from_url(self._redis_url, **self._client_options())
-        return RedisCluster(**self._cluster_startup(), **self._client_options())
+            return redis.Redis.from_url(self._redis_url, redis_connect_func=self._on_connect,
+                                        **self._client_options())
+        # the URL's options win over timeout_s, as from_url does for a single server
+        return RedisCluster(**{**self._client_options(), **self._cluster_startup()})
 
     def _redis(self) -> Any:
         client = self._client
@@ -141,6 +210,9 @@ class RemoteTier(Tier):
                 if self._client is None:
                     self._client = self._make_client()  # a cluster connects here: may raise
                 client = self._client
+        if self._resync_due:  # inside the current gated operation: its errors are reported
+            self._resync_due = False
+            self._resync_sizes(client)
         return client
 
     def _drop_cluster_client(self) -> None:
@@ -156,12 +228,19 @@ class RemoteTier(Tier):
                 pass
 
     def _name(self, key: bytes) -> bytes:
+        if self.cluster:
+            return b"%s{%s}%s" % (self._name_prefix, key[:TAG_BYTES].hex().encode(), key.hex().encode())
         return self._name_prefix + key.hex().encode()
 
     # -- backend ----------------------------------------------------------------------------------------
     def _error_kind(self, exc: BaseException) -> str:
         if isinstance(exc, redis.TimeoutError):
             return "timeout"
+        if isinstance(exc, (redis.ConnectionError, redis.exceptions.RedisClusterException)):
+            cause = exc.__cause__ or exc.__context__
+            if isinstance(cause, ssl.SSLError) or "[SSL" in str(exc):
+                self._drop_cluster_client()
+                return "tls"  # the message names the problem (unknown CA, hostname mismatch)
         if isinstance(exc, redis.ConnectionError):
             self._drop_cluster_client()
             return "connection"
@@ -185,12 +264,20 @@ class RemoteTier(Tier):
 
     def _contains_prefix(self, keys: list[bytes]) -> int:
         names = [self._name(key) for key in keys]
-        if self._prefix_script is not None:
+        script = self._prefix_script
+        if script is not None:
             try:
-                return int(self._prefix_script(keys=names, client=self._redis()))
-            except redis.ResponseError as exc:  # scripting disabled (some managed services)
-                logger.info("remote tier %s: Lua unavailable (%s); using pipelined EXISTS", self.name, exc)
-                self._prefix_script = None
+                return int(script(keys=names, client=self._redis()))
+            except redis.ResponseError as exc:
+                # this call falls back to EXISTS either way (a failure there is the call's);
+                # only a server that refuses scripts for good (managed services, an ACL) loses it
+                if _scripting_refused(exc):
+                    logger.warning("remote tier %s: the server refuses Lua (%s); contains_prefix "
+                                   "uses pipelined EXISTS from now on", self.name, exc)
+                    self._prefix_script = None
+                else:
+                    logger.debug("remote tier %s: prefix script failed (%s); pipelined EXISTS "
+                                 "this time", self.name, exc)
         # one round trip (per node in a cluster); EXISTS per key works across slots
         pipe = self._pipeline()
         for name in names:
@@ -209,20 +296,22 @@ class RemoteTier(Tier):
 
     def record_owner(self, owner_id: str, keys: list[bytes]) -> None:
         """Remember that `keys` belong to `owner_id` (a Redis set shared by every process)."""
-        if not keys or not self._gate.allow():
+        if not keys:
             return
         try:
-            self._redis().sadd(self._owner_set(owner_id), *[k.hex() for k in keys])
-        except Exception as exc:
-            self._fail("record_owner", exc)
+            self.call("record_owner", lambda: self._redis().sadd(self._owner_set(owner_id),
+                                                                  *[k.hex() for k in keys]))
+        except TierError:
+            pass  # counted by call(); the blocks stay readable, only a purge by owner misses them
 
-    def owner_keys(self, owner_id: str) -> list[bytes]:
-        if not self._gate.allow():
-            return []
+    def owner_keys(self, owner_id: str, strict: bool = False) -> list[bytes]:
+        """The keys recorded for `owner_id`; [] when the server cannot be asked (`strict`:
+        raise TierError instead, for a purge that must know)."""
         try:
-            members = self._redis().smembers(self._owner_set(owner_id))
-        except Exception as exc:
-            self._fail("owner_keys", exc)
+            members = self.call("owner_keys", lambda: self._redis().smembers(self._owner_set(owner_id)))
+        except TierError:
+            if strict:
+                raise
             return []
         out = []
         for m in members:
@@ -232,11 +321,13 @@ class RemoteTier(Tier):
                 continue
         return out
 
-    def forget_owner(self, owner_id: str) -> None:
+    def forget_owner(self, owner_id: str, strict: bool = False) -> None:
+        """Drop the owner's set (`strict`: raise TierError when the server cannot be asked)."""
         try:
-            self._redis().unlink(self._owner_set(owner_id))
-        except Exception as exc:
-            self._fail("forget_owner", exc)
+            self.call("forget_owner", lambda: self._redis().unlink(self._owner_set(owner_id)))
+        except TierError:
+            if strict:
+                raise
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         pipe = self._pipeline()  # GET per key: valid across cluster slots
@@ -260,8 +351,11 @@ class RemoteTier(Tier):
         pattern = _glob_escape(self._name_prefix.decode()) + "*"
         cut = len(self._name_prefix)
         for name in self._redis().scan_iter(match=pattern, count=_BATCH):
+            rest = name[cut:]
+            if rest[:1] == b"{":  # a cluster name: "{tag}" before the key
+                rest = rest[2 + 2 * TAG_BYTES:]
             try:
-                yield bytes.fromhex(name[cut:].decode())
+                yield bytes.fromhex(rest.decode())
             except ValueError:
                 continue  # someone else's key under our prefix
 
@@ -287,6 +381,32 @@ class RemoteTier(Tier):
             client.close()
 
     # -- sizes ---------------------------------------------------------------------------------------
+    def _on_recovered(self) -> None:
+        self._resync_due = True
+        try:
+            self.call("resync", self._redis)  # _redis() resyncs when due
+        except TierError:
+            pass  # counted by call(); the next recovery tries again
+
+    def _resync_sizes(self, client: Any) -> None:
+        """Forget the accounted sizes of keys the server no longer holds (see module doc)."""
+        with self._sizes_lock:
+            snapshot = list(self._sizes.items())
+        missing: list[tuple[bytes, tuple[int, float | None]]] = []
+        for start in range(0, len(snapshot), _BATCH):
+            batch = snapshot[start:start + _BATCH]
+            pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
+            for key, _ in batch:
+                pipe.exists(self._name(key))
+            missing += [item for item, found in zip(batch, pipe.execute()) if not found]
+        with self._sizes_lock:
+            for key, entry in missing:
+                if self._sizes.get(key) is entry:  # not rewritten meanwhile
+                    del self._sizes[key]
+                    self._usage_bytes -= entry[0]
+        if missing:
+            logger.info("remote tier %s: %d accounted entries are gone from the server; usage "
+                        "resynced", self.name, len(missing))
     def _account(self, key: bytes, nbytes: int, ttl_s: float | None) -> None:
         now = time.monotonic()
         expiry = now + ttl_s if ttl_s is not None else None
@@ -313,7 +433,8 @@ class RemoteTier(Tier):
     def usage_bytes(self) -> int:
         """Approximate: bytes of the entries THIS instance wrote that have neither been deleted
         by it nor passed their TTL. Blind to other processes and to the server's own evictions
-        (asking the server, MEMORY USAGE per key, would cost a round trip per entry)."""
+        (asking the server, MEMORY USAGE per key, would cost a round trip per entry), except
+        after an outage or a reconnect, when it is resynced (see the module doc)."""
         with self._sizes_lock:
             self._prune_expired(time.monotonic())
             return self._usage_bytes

@@ -1,8 +1,11 @@
 """DiskTier on a real file system: LRU capacity, warm start, crash leftovers, corruption,
-a real disk-full, fault injection and the health gate."""
+a real disk-full (evicted around, or a real failure), fault injection and the health gate.
+No test here depends on how fast the machine is: back-offs run on a ManualClock and injected
+delays on a recording sleep."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import signal
@@ -14,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.tiers.base import FaultConfig, HealthGate
+from kvtier.tiers.base import FaultConfig, FaultInjector, HealthGate
 from kvtier.tiers.codec import encode, load_tensor, payload_nbytes_estimate, store_tensor
 from kvtier.tiers.disk import DiskTier
 
@@ -76,10 +79,11 @@ def test_lru_eviction_keeps_usage_within_capacity(tmp_path: Path) -> None:
 def test_warm_start_finds_entries_and_keeps_lru_order(tmp_path: Path) -> None:
     keys = make_keys(3)
     tier = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
+    past = time.time() - 100.0
     for i, key in enumerate(keys):
         tier.put(key, frame(key, i))
-        time.sleep(0.01)
-    tier.get(keys[0])  # touches keys[0]: keys[1] is now the oldest
+        os.utime(tier.dir / key.hex()[:2] / f"{key.hex()}.kv", (past + i, past + i))  # distinct mtimes
+    tier.get(keys[0])  # touches keys[0] (mtime now): keys[1] is now the oldest
     tier.close()
 
     again = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
@@ -137,41 +141,75 @@ def test_file_removed_behind_the_index_is_a_plain_miss(tmp_path: Path) -> None:
 
 # -- disk full: real kernel errors -----------------------------------------------------------------
 
-@pytest.fixture
-def tiny_tmpfs(tmp_path: Path):
-    """A 1 MiB tmpfs: a real ENOSPC. Needs root (CAP_SYS_ADMIN); skipped otherwise."""
-    mount_point = tmp_path / "tmpfs"
-    mount_point.mkdir()
+@contextlib.contextmanager
+def mounted_tmpfs(mount_point: Path, size: str):
+    """A real small file system, for a real ENOSPC. Needs root (CAP_SYS_ADMIN); skips otherwise."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root; test_disk_full_by_file_size_limit covers EFBIG")
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+    mount_point.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
                             capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    yield mount_point
-    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-def test_disk_full_is_a_failed_put_not_an_exception(tiny_tmpfs: Path) -> None:
-    clock = ManualClock()
-    tier = DiskTier(tiny_tmpfs, 64 << 20, fingerprint=FINGERPRINT, health=HealthGate(clock=clock))
-    big = (2, 16, 8, 128)  # 64 KiB frames: the 1 MiB file system fills after ~15
-    keys = make_keys(40)
-    stored = []
-    for i, key in enumerate(keys):
-        if not store_tensor(tier, key, torch.full(big, float(i), dtype=torch.bfloat16), fingerprint=FINGERPRINT):
-            break
-        stored.append(key)
-    assert 5 < len(stored) < 20
-    assert tier.stats.errors == {"disk_full": 1} and not tier.healthy
-    assert not list(tiny_tmpfs.rglob("*.tmp"))  # the failed write left no temp file
-    assert tier.get(stored[0]) is None and tier.stats.skipped == 1  # gated, not read
-    clock.advance(0.5)
-    assert torch.equal(load_tensor(tier, stored[0], fingerprint=FINGERPRINT),
-                       torch.full(big, 0.0, dtype=torch.bfloat16))
-    assert tier.healthy
-    tier.purge(stored[:4])  # room again: puts succeed
-    assert store_tensor(tier, keys[-1], torch.zeros(big, dtype=torch.bfloat16), fingerprint=FINGERPRINT)
+def fill(path: Path) -> None:
+    """Write zeros to `path` until the file system is full."""
+    with open(path, "wb", buffering=0) as f:
+        chunk = b"\0" * (64 << 10)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(chunk)
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 512)
+
+
+def test_full_file_system_below_capacity_evicts_and_keeps_serving(tmp_path: Path) -> None:
+    """An 8 MiB file system under a 64 MiB tier: ENOSPC evicts the oldest entries and lowers the
+    effective capacity, and every put still succeeds."""
+    with mounted_tmpfs(tmp_path / "fs", "8m") as fs:
+        tier = DiskTier(fs, 64 << 20, fingerprint=FINGERPRINT, health=HealthGate(clock=ManualClock()))
+        keys = make_keys(100)
+        payloads = [key + bytes([i]) * ((256 << 10) - 16) for i, key in enumerate(keys)]
+        stored = [tier.put(key, p) for key, p in zip(keys, payloads)]
+        assert all(stored) and tier.healthy and tier.stats.skipped == 0
+        num_full = tier.stats.errors.get("disk_full", 0)
+        assert num_full >= 1 and set(tier.stats.errors) == {"disk_full"}
+        assert tier.usage_bytes <= tier.effective_capacity_bytes <= 8 << 20  # what the file system held
+        assert tier.capacity_bytes == 64 << 20 and tier.stats.evictions > 60
+        for key, p in zip(keys[-20:], payloads[-20:]):  # the newest are served from disk
+            assert tier.get(key) == p
+        assert tier.get(keys[0]) is None  # the oldest made room
+        on_disk = files_on_disk(tier)
+        assert on_disk == {f"{k.hex()}.kv": 256 << 10 for k in tier.keys()}
+        assert tier.usage_bytes == sum(on_disk.values()) and not list(fs.rglob("*.tmp"))
+        # later puts evict before they write: no more disk-full errors
+        more = make_keys(30, salt=1)
+        assert all([tier.put(key, key * (16 << 10)) for key in more])
+        assert tier.stats.errors == {"disk_full": num_full} and tier.healthy
+        assert all(tier.get(key) == key * (16 << 10) for key in more[-10:])
+
+
+def test_disk_full_with_nothing_to_evict_fails_the_put_and_trips_the_gate(tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "fs", "1m") as fs:
+        clock = ManualClock()
+        tier = DiskTier(fs, 64 << 20, fingerprint=FINGERPRINT, health=HealthGate(clock=clock))
+        a, b = make_keys(2)
+        fill(fs / "someone-elses-file")  # the file system is full of what the tier cannot evict
+        assert not tier.put(a, frame(a, 0))
+        assert tier.stats.errors == {"disk_full": 1} and not tier.healthy
+        assert tier.effective_capacity_bytes == tier.capacity_bytes  # nothing learnt from our usage
+        assert not list(fs.rglob("*.tmp"))  # the failed write left no temp file
+        assert not tier.put(b, frame(b, 1)) and tier.stats.skipped == 1  # gated, not written
+        (fs / "someone-elses-file").unlink()
+        clock.advance(0.5)
+        assert tier.put(b, frame(b, 1)) and tier.healthy  # the probe
+        assert torch.equal(load_tensor(tier, b, fingerprint=FINGERPRINT), block(1))
 
 
 def test_disk_full_by_file_size_limit(tmp_path: Path) -> None:
@@ -193,24 +231,25 @@ def test_disk_full_by_file_size_limit(tmp_path: Path) -> None:
 
 # -- fault injection and health ----------------------------------------------------------------------
 
-def test_fault_latency_and_bandwidth_show_in_timings(tmp_path: Path) -> None:
+def test_fault_latency_applies_to_every_op_and_bandwidth_to_bytes_moved(tmp_path: Path) -> None:
     (a,) = make_keys(1)
     payload = b"\0" * 500_000  # 50 ms at 10 MB/s
-    tier = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT,
-                    faults=FaultConfig.parse("latency_ms=20,bandwidth_mbps=10"))
-    t0 = time.perf_counter()
+    tier = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
+    slept: list[float] = []
+    # an injector with a recording sleep: the delays are asked for, never waited
+    tier.faults = FaultInjector(FaultConfig.parse("latency_ms=20,bandwidth_mbps=10"), sleep=slept.append)
     assert tier.put(a, payload)
-    put_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    assert slept == [pytest.approx(0.02), pytest.approx(0.05)]  # latency, then the transfer
+    slept.clear()
     assert tier.contains_prefix([a]) == 1
-    lookup_s = time.perf_counter() - t0
-    assert put_s >= 0.02 + 0.05 * 0.95  # latency + transfer
-    assert 0.02 <= lookup_s < 0.065  # latency only: no bytes move
-    assert tier.stats.write_s >= 0.0675 and tier.stats.read_s >= 0.02
-    tier.faults = None
-    t0 = time.perf_counter()
+    assert slept == [pytest.approx(0.02)]  # latency only: no bytes move
+    slept.clear()
     assert tier.get(a) == payload
-    assert time.perf_counter() - t0 < 0.05
+    # latency, then the transfer queued behind the put's on the one simulated link
+    assert len(slept) == 2 and slept[0] == pytest.approx(0.02) and 0.05 <= slept[1] <= 0.1 + 1e-9
+    tier.faults = None
+    slept.clear()
+    assert tier.get(a) == payload and slept == []
 
 
 def test_fault_error_rate_is_seeded_and_counted(tmp_path: Path) -> None:

@@ -1,0 +1,165 @@
+"""What a tenant purge needs beside the tiers: a fence around in-flight I/O, a durable record of
+purges that could not finish, and batched Redis deletes.
+
+    engine thread                         admin worker                    I/O workers
+    -------------                         ------------                    -----------
+    abort the tenant's requests
+    evict its device blocks
+    fence.begin(oid)  (stamp += 1) ---->  fence.wait_quiet(oid)  <-----   ops stamped before
+                                          delete host/disk/remote         begin() finish; later
+                                          destroy the data key            ones see a stale stamp
+                                          ledger.done(...) / keep pending  or `purging` and skip
+                                          fence.end(oid)
+
+Every store, load and host demotion carries the stamp its owner had when the work was queued.
+It touches a tier only inside `fence.enter(oid, stamp)`, which refuses stale stamps and owners
+with a purge in progress, so once `wait_quiet` returns nothing of the tenant from before the
+purge can be written anywhere again: what is already written is what the purge deletes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+ALL = "*"
+"""The owner id of a purge of every tenant."""
+REMOTE_BATCH = 512
+"""Keys per pipelined UNLINK."""
+
+Stamp = tuple[int, int]
+
+
+class OwnerFence:
+    """Generation stamps and in-flight counts per owner id (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._gen: dict[str, int] = {}
+        self._all_gen = 0
+        self._active: dict[str, int] = {}
+        self._purging: dict[str, int] = {}
+
+    def stamp(self, oid: str) -> Stamp:
+        """The stamp work for `oid` queued now carries."""
+        return (self._all_gen, self._gen.get(oid, 0))
+
+    def current(self, oid: str, stamp: Stamp) -> bool:
+        return stamp == (self._all_gen, self._gen.get(oid, 0))
+
+    def purging(self, oid: str) -> bool:
+        """A purge of `oid` (or of everyone) has begun and not finished."""
+        return bool(self._purging.get(oid) or self._purging.get(ALL))
+
+    @contextmanager
+    def enter(self, oid: str, stamp: Stamp) -> Iterator[bool]:
+        """Yields whether work stamped `stamp` may touch the tiers; while it runs, a purge of
+        `oid` waits for it in `wait_quiet`."""
+        with self._cond:
+            ok = self.current(oid, stamp) and not self.purging(oid)
+            if ok:
+                self._active[oid] = self._active.get(oid, 0) + 1
+        try:
+            yield ok
+        finally:
+            if ok:
+                with self._cond:
+                    self._active[oid] -= 1
+                    self._cond.notify_all()
+
+    def begin(self, oid: str) -> None:
+        """Stale every stamp of `oid` (ALL: of everyone) and refuse new work until `end`."""
+        with self._cond:
+            if oid == ALL:
+                self._all_gen += 1
+            else:
+                self._gen[oid] = self._gen.get(oid, 0) + 1
+            self._purging[oid] = self._purging.get(oid, 0) + 1
+
+    def wait_quiet(self, oid: str, timeout_s: float | None = None) -> bool:
+        """Wait until no work of `oid` (ALL: of anyone) is inside `enter`. True if quiet."""
+        def quiet() -> bool:
+            if oid == ALL:
+                return not any(self._active.values())
+            return not self._active.get(oid)
+
+        with self._cond:
+            return self._cond.wait_for(quiet, timeout_s)
+
+    def end(self, oid: str) -> None:
+        with self._cond:
+            n = self._purging.get(oid, 0) - 1
+            if n > 0:
+                self._purging[oid] = n
+            else:
+                self._purging.pop(oid, None)
+
+
+class PurgeLedger:
+    """Purges whose remote part could not be done yet, kept in a JSON file (written atomically)
+    so that a restarted process still refuses the tenant's remote entries and finishes the job.
+    `path` None: kept in memory only (no directory was configured)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._pending: dict[str, dict[str, Any]] = {}
+        if path is not None and path.is_file():
+            try:
+                data = json.loads(path.read_text())
+                self._pending = {str(k): dict(v) for k, v in data.get("pending", {}).items()}
+            except (OSError, ValueError, AttributeError):
+                self._pending = {}
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        """{owner id: {"tiers": [...], "since": time.time()}}."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._pending.items()}
+
+    def add(self, oid: str, tiers: list[str]) -> None:
+        with self._lock:
+            entry = self._pending.setdefault(oid, {"tiers": [], "since": time.time()})
+            entry["tiers"] = sorted(set(entry["tiers"]) | set(tiers))
+            self._save()
+
+    def done(self, oid: str) -> None:
+        with self._lock:
+            if self._pending.pop(oid, None) is not None:
+                self._save()
+
+    def _save(self) -> None:
+        if self.path is None:
+            return
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pending": self._pending}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+
+def unlink_remote(tier: Any, keys: list[bytes]) -> int:
+    """Delete `keys` from a RemoteTier with pipelined UNLINKs of REMOTE_BATCH keys (one round
+    trip each), through the tier's gate; returns how many existed. Raises TierError."""
+    removed = 0
+    for start in range(0, len(keys), REMOTE_BATCH):
+        chunk = keys[start:start + REMOTE_BATCH]
+
+        def op(chunk: list[bytes] = chunk) -> int:
+            pipe = tier._pipeline()
+            for key in chunk:
+                pipe.unlink(tier._name(key))  # one key per command: valid across cluster slots
+            return sum(pipe.execute())
+
+        n = tier.call("purge", op)
+        for key in chunk:
+            tier._account(key, 0, None)
+        tier._count(deletes=n)
+        removed += n
+    return removed

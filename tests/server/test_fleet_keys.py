@@ -1,0 +1,88 @@
+"""Two servers with their own disks and no shared key directory, one Redis, one master key
+(--kv-master-key-file): each reads the other's entries (no corrupt entries, no overwrites);
+a purge on one destroys the tenant's single wrapped key, and the other notices on its next
+request for that tenant (--kv-key-check-interval-s 0) and drops its own copies."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+pytest.importorskip("cryptography")
+redis = pytest.importorskip("redis")
+
+PROMPT = "A fleet-wide tenant document, served by whichever instance the balancer picks. " * 2
+
+
+def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:
+    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"},
+                         timeout=120, **kw)
+
+
+def cached(s, key: str = "sk-a", prompt: str = PROMPT) -> int:
+    r = call(s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                      "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def acme_entries(r) -> dict[bytes, bytes]:
+    return {k: r.get(k) for k in r.scan_iter(match="kvtier:*")
+            if b":owner:" not in k and b":datakey:" not in k}
+
+
+def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp_path, redis_url):
+    from kvtier.tiers.codec import CodecError, decode
+    from kvtier.tiers.keyring import FleetKeyring
+    from kvtier.tiers.remote import RemoteTier
+
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    master = tmp_path / "master.key"
+    master.write_bytes(os.urandom(32))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
+
+    def instance(name: str):
+        return serve("--api-keys", str(keys), "--disk-cache-dir", str(tmp_path / name),
+                     "--remote-cache-url", redis_url, "--kv-master-key-file", str(master),
+                     "--kv-key-check-interval-s", "0")
+
+    a, b = instance("a"), instance("b")
+    assert cached(a) == 0
+    assert call(a, "GET", "/v1/cache", "sk-a").json()["tiers"]["remote"]["blocks"] > 0  # stores landed
+    before = acme_entries(r)
+    assert before and len(list(r.scan_iter(match="kvtier:*:datakey:*"))) == 1
+
+    # b has never seen the prompt: its hit comes from a's Redis entries, which it can read
+    assert cached(b) > 0
+    assert cached(b, prompt=PROMPT + "and b's own continuation of it") > 0  # new blocks on b's disk
+    assert call(b, "GET", "/v1/cache", "sk-a").json()["tiers"]["disk"]["blocks"] > 0
+    after = acme_entries(r)
+    assert all(after.get(k) == v for k, v in before.items())  # nothing deleted or overwritten
+    assert len(list(r.scan_iter(match="kvtier:*:datakey:*"))) == 1
+    b_disk = next((tmp_path / "b").rglob("*.kv"))
+    stolen, fp = b_disk.read_bytes(), bytes.fromhex(b_disk.parent.parent.name)
+
+    # a purges acme: the one wrapped key and every Redis entry go, for the whole fleet
+    res = call(a, "DELETE", "/v1/cache", "sk-a")
+    assert res.status_code == 200 and res.json()["data_key_destroyed"] is True, res.text
+    assert list(r.scan_iter(match="kvtier:*")) == []
+
+    # b notices on acme's next request: its device, host and disk copies are dropped
+    assert cached(b) == 0
+    assert not b_disk.exists() or b_disk.read_bytes() != stolen
+    # the frame b had on disk does not open with the fleet's key now (a new one)
+    remote = RemoteTier(redis_url, fingerprint=fp)
+    try:
+        cipher = FleetKeyring(master.read_bytes(), remote).cipher("acme")
+        with pytest.raises(CodecError):
+            decode(stolen, fingerprint=fp, key=bytes.fromhex(b_disk.stem), cipher=cipher)
+    finally:
+        remote.close()
+    for s in (a, b):
+        ok = call(s, "POST", "/admin/check_integrity", "sk-admin")
+        assert ok.status_code == 200 and ok.json()["ok"] is True and ok.json()["num_unfinished"] == 0
