@@ -154,6 +154,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="time to live of remote entries (default: no expiry)")
     t.add_argument("--remote-timeout-s", type=_positive_float, default=None, metavar="SECONDS",
                    help="connect and per-command socket timeout of the remote tier (default 1)")
+    t.add_argument("--restore-policy", choices=("cost", "always"), default=None,
+                   help="'cost' (default): restore a stored prefix only when the cost model says it beats "
+                        "recomputing it; 'always': restore whatever is stored")
     t.add_argument("--cache-write-policy", choices=WRITE_POLICIES, default=None,
                    help="when computed blocks are written down (default write_through)")
     t.add_argument("--cache-compression", type=_compression, default=None, metavar="{none,lz4,zstd}",
@@ -169,7 +172,7 @@ ENGINE_KEYS = ("dtype", "kv_cache_dtype", "block_size", "num_device_blocks", "kv
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
                "scheduling_policy", "kv_drift_sample_rate")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
-             "remote_ttl_s", "remote_timeout_s", "cache_write_policy", "cache_compression", "tier_faults",
+             "remote_ttl_s", "remote_timeout_s", "restore_policy", "cache_write_policy", "cache_compression", "tier_faults",
              "kv_key_dir")
 
 
@@ -234,18 +237,30 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from kvtier import LLM
     from kvtier.server.app import ServerConfig, run_server
+    from kvtier.server.serving import RequestLimits
 
     from kvtier.server.request_log import RequestLog
-    from kvtier.server.tenancy import ApiKeyResolver
+    from kvtier.server.tenancy import ApiKeyResolver, read_admin_key
 
     config = ServerConfig(host=args.host, port=args.port,
                           served_model_name=args.served_model_name or args.model,
                           max_body_bytes=args.max_body_bytes,
-                          ttl_sweep_interval_s=args.ttl_sweep_interval_s)
+                          limits=RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
+                                               max_seqs_per_request=args.max_seqs_per_request),
+                          ttl_sweep_interval_s=args.ttl_sweep_interval_s,
+                          admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
+                          metrics_auth=args.metrics_auth, models_auth=args.models_auth)
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
+    if args.kv_master_key_file:
+        from kvtier.tiers.keyring import read_master_key
+        read_master_key(args.kv_master_key_file)  # a bad file fails before the model loads
+        if not args.engine_kwargs.get("remote_cache_url"):
+            raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
     log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
     try:
         with LLM(args.model, **args.engine_kwargs) as llm:
+            if args.kv_master_key_file:
+                llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
             run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants,
                        request_log=log)
     finally:
@@ -453,11 +468,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model id clients send (default: the --model argument)")
     s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="SIZE",
                    help="larger request bodies get a 413 (default 4MiB)")
+    s.add_argument("--max-prompts-per-request", type=_positive_int, default=128, metavar="N",
+                   help="a /v1/completions batch of more prompts gets a 400, so one request "
+                   "cannot hold up the others (default 128)")
+    s.add_argument("--max-seqs-per-request", type=_positive_int, default=256, metavar="N",
+                   help="a request asking for more sequences (prompts x n) gets a 400 (default 256)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info", help="uvicorn's log level (default info)")
     s.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
                    "need a listed key; each tenant's KV is isolated (its own cache salt)")
+    s.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="a file holding the admin bearer key: purges (DELETE /v1/cache) and /admin/* need "
+                   "it or a key marked admin in --api-keys; without either they are refused")
+    s.add_argument("--metrics-auth", choices=("public", "api_key", "admin"), default="public",
+                   help="who may read /metrics (default public; api_key: any key of --api-keys)")
+    s.add_argument("--models-auth", choices=("public", "api_key", "admin"), default="public",
+                   help="who may read /v1/models (default public)")
+    s.add_argument("--kv-master-key-file", default=None, metavar="FILE",
+                   help="fleet encryption: tenants' data keys wrapped by this 32-byte master key and kept "
+                   "in the remote tier, shared by every instance given the same file (needs --remote-cache-url)")
+    s.add_argument("--kv-key-check-interval-s", type=float, default=1.0, metavar="SECONDS",
+                   help="with --kv-master-key-file: how long a cached data key is used before it is "
+                   "re-checked, the bound on noticing another instance's purge (default 1; 0: every use)")
     s.add_argument("--request-log", default=None, metavar="FILE",
                    help="append one JSON line per finished request (token ids, timestamps, tenant "
                    "hash, cached tokens by tier; no text unless --request-log-text)")

@@ -6,7 +6,10 @@ template, configured like transformers renders it, so no transformers import is 
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Sequence
@@ -62,9 +65,38 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Releases the GIL while the Rust tokenizer runs (the batch API
+        does, `encode` does not), so a long text encoded on a worker thread does not stall
+        the other threads (an event loop, the engine)."""
         if not isinstance(text, str):
             raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            m = _SURROGATE.search(text)
+            if m is None:
+                raise
+            raise TokenizerError(f"the text has a lone UTF-16 surrogate (U+{ord(m.group()):04X} "
+                                 f"at character {m.start()}); it is not Unicode text") from None
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int | None:
+        """An upper bound on the characters of text that one token stands for, or None when
+        there is none: a text of more than `n * max_chars_per_token` characters has more than
+        `n` tokens, so a server can reject it as too long without tokenizing it.
+
+        The bound is the longest vocabulary entry (added tokens included), times how much the
+        normalizer can shrink text. None where unbounded text can become few tokens: a
+        normalizer or pre-tokenizer that drops characters (Strip, BERT's, whitespace
+        splitters), or an unknown token that swallows whole words or runs (WordPiece,
+        WordLevel, unk-fusing BPE or Unigram without byte fallback)."""
+        spec = json.loads(self._tok.to_str())
+        shrink = _normalizer_shrink(spec.get("normalizer"))
+        if shrink is None or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) \
+                or not _model_has_no_swallowing_unk(spec.get("model") or {}):
+            return None
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return math.ceil(longest * shrink)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -85,6 +117,55 @@ class Tokenizer:
                     **kwargs: Any) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _normalizer_shrink(spec: dict[str, Any] | None) -> float | None:
+    """How many characters of input one character of normalized text can come from at most;
+    None when a normalizer may delete characters outright."""
+    if spec is None:
+        return 1.0
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1.0
+        for part in spec.get("normalizers", []):
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"):
+        return 1.0
+    if kind in ("NFC", "NFKC"):
+        return 4.0  # canonical composition: at most 4 code points into 1 (e.g. U+1F82)
+    if kind == "Replace":
+        pattern, content = spec.get("pattern", {}), spec.get("content", "")
+        if "String" not in pattern or not content:
+            return None
+        return max(1.0, len(pattern["String"]) / len(content))
+    return None  # Strip, StripAccents, BertNormalizer, Nmt, Precompiled, anything new
+
+
+def _pre_tokenizer_keeps_text(spec: dict[str, Any] | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_text(p) for p in spec.get("pretokenizers", []))
+    if kind in ("Split", "Punctuation"):
+        return spec.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts")
+
+
+def _model_has_no_swallowing_unk(spec: dict[str, Any]) -> bool:
+    kind = spec.get("type")
+    if kind == "BPE":
+        return spec.get("unk_token") is None or spec.get("byte_fallback") or not spec.get("fuse_unk")
+    if kind == "Unigram":
+        return bool(spec.get("byte_fallback"))
+    return False  # WordPiece, WordLevel: an unknown word of any length is one token
 
 
 def validate_messages(messages: Any) -> None:

@@ -90,12 +90,15 @@ class Scheduler:
         child.arrival_seq = parent.arrival_seq
         self.requests[child.req_id] = child
         child.num_cached_tokens = parent.num_cached_tokens
-        if self.kv.fork(parent.req_id, child.req_id, parent.num_computed_tokens):
+        # A parent that finished this step (max_tokens=1, a stop token) has freed its KV: the
+        # child then waits like a new request (its prompt is a prefix hit) or ends at once.
+        if not parent.status.finished and self.kv.fork(parent.req_id, child.req_id,
+                                                        parent.num_computed_tokens):
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             child.first_scheduled_time = parent.first_scheduled_time
             self.running.append(child)
-        else:  # no block for the copy: recompute later (mostly a prefix hit)
+        else:  # no parent KV or no block for the copy: recompute later (mostly a prefix hit)
             child.status = RequestStatus.WAITING
             self.waiting.push(child)
 

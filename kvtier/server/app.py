@@ -10,12 +10,11 @@ and no stack trace; anything else is a 500 in the same shape (the trace goes to 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -27,9 +26,10 @@ from starlette.responses import JSONResponse, Response
 from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                    validation_error)
-from kvtier.server.serving import ClientGone, OpenAIServing
-from kvtier.server.tenancy import SingleTenantResolver, Tenant, TenantResolver, api_key_from_header
+                                    parse_json_object, validation_error)
+from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits
+from kvtier.server.tenancy import (AdminAuth, SingleTenantResolver, Tenant, TenantResolver,
+                                   api_key_from_header)
 
 logger = logging.getLogger("kvtier.server")
 
@@ -46,8 +46,17 @@ class ServerConfig:
     """The model id clients pass as `model` (and /v1/models lists)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get a 413."""
+    limits: RequestLimits = RequestLimits()
+    """Prompts and sequences one request may ask for (--max-prompts/seqs-per-request)."""
     ttl_sweep_interval_s: float = 10.0
-    """How often tenants' TTLs are enforced in every tier."""
+    """How often tenants' TTLs are enforced in every tier (and pending purges retried)."""
+    admin_key: str | None = None
+    """The bearer key of admin endpoints (--admin-key-file), beside keys marked admin in
+    --api-keys. See tenancy.AdminAuth for who may call what."""
+    metrics_auth: str = "public"
+    """Who may read /metrics: 'public', 'api_key' (any valid key) or 'admin'."""
+    models_auth: str = "public"
+    """Who may read /v1/models: 'public', 'api_key' or 'admin'."""
 
 
 def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
@@ -63,7 +72,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
 
     async_engine = AsyncEngine(engine, on_finished=on_finished)
     serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, engine.max_model_len,
-                            request_log=request_log)
+                            request_log=request_log, limits=config.limits)
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
@@ -74,18 +83,21 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         if t.host_bytes is not None or t.disk_bytes is not None:
             engine.set_tenant_quota(t.name, t.host_bytes, t.disk_bytes)
 
+    admin = AdminAuth(resolver, config.admin_key)
+
     async def sweeper() -> None:
         while True:
             await asyncio.sleep(config.ttl_sweep_interval_s)
-            try:
-                await async_engine.run_soon(lambda core: core.sweep_expired())
+            try:  # the tier part and pending-purge retries run off the engine thread
+                await async_engine.sweep()
             except Exception:  # noqa: BLE001 - keep sweeping; the engine reports its own death
                 logger.exception("TTL sweep failed")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        task = asyncio.ensure_future(sweeper()) if ttl_tenants else None
+        sweep = ttl_tenants or getattr(engine, "tiers", None) is not None  # pending purges too
+        task = asyncio.ensure_future(sweeper()) if sweep else None
         try:
             yield
         finally:
@@ -108,17 +120,27 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        body = await read_json(request, config.max_body_bytes)
-        return await serving.completions(_validate(CompletionRequest, body), tenant, request)
+        req = await read_json(request, config.max_body_bytes, precheck=serving.precheck_completion,
+                              then=lambda body: _validate(CompletionRequest, body))
+        return await serving.completions(req, tenant, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        body = await read_json(request, config.max_body_bytes)
-        return await serving.chat(_validate(ChatCompletionRequest, body), tenant, request)
+        req = await read_json(request, config.max_body_bytes,
+                              then=lambda body: _validate(ChatCompletionRequest, body))
+        return await serving.chat(req, tenant, request)
+
+    def authorize(request: Request, mode: str) -> None:
+        """--metrics-auth / --models-auth: 'public', 'api_key' (a valid key) or 'admin'."""
+        if mode == "admin":
+            require_admin(request)
+        elif mode == "api_key" and not admin.is_admin_key(api_key_from_header(request.headers.get("authorization"))):
+            tenant_of(request)  # 401 unless the key is listed in --api-keys
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        authorize(request, config.models_auth)
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": created,
             "owned_by": "kvtier", "max_model_len": engine.max_model_len}]}
@@ -130,53 +152,82 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        authorize(request, config.metrics_auth)
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def cache_target(request: Request) -> str:
-        """The tenant a /v1/cache call acts on: the caller's, or with an admin key any named one."""
-        tenant = tenant_of(request)
+    def require_admin(request: Request) -> None:
+        key = api_key_from_header(request.headers.get("authorization"))
+        if not admin.is_admin(key):
+            status, message = admin.refusal(key)
+            raise APIError(message, status, type="authentication_error" if status == 401 else "permission_error",
+                           code="invalid_api_key" if status == 401 else "forbidden")
+
+    def cache_target(request: Request, destructive: bool) -> str:
+        """The tenant a /v1/cache call acts on: the caller's, or with an admin key any named one.
+        Without --api-keys every caller shares one tenant, so purging it takes an admin key."""
+        key = api_key_from_header(request.headers.get("authorization"))
         named = request.query_params.get("tenant")
-        if named is None or named == tenant.name:
-            return tenant.name
-        if not tenant.admin:
-            raise APIError("only an admin key may name another tenant", 403, type="permission_error",
-                           code="forbidden")
-        return named
+        if admin.is_admin_key(key):
+            if named is None and admin.multi_tenant:
+                raise APIError("the admin key acts on a named tenant: add ?tenant=NAME (or ?all=true)",
+                               400, code="missing_tenant")
+            return named if named is not None else resolver.resolve(None).name
+        tenant = tenant_of(request)
+        if named is not None and named != tenant.name:
+            if not tenant.admin:
+                raise APIError("only an admin key may name another tenant", 403, type="permission_error",
+                               code="forbidden")
+            return named
+        if destructive and not admin.multi_tenant:
+            require_admin(request)
+        return tenant.name
+
+    def purge_answer(tenant: str | None, counts: dict[str, Any]) -> Response:
+        """200 when every tier is purged; 503 (an error the client cannot miss) naming the tiers
+        whose part is pending: recorded, the tenant fenced off, completed when they answer."""
+        pending = counts.pop("pending", [])
+        aborted = counts.pop("aborted_requests", 0)
+        body: dict[str, Any] = {"object": "cache.purge", "tenant": tenant, "deleted_blocks": counts,
+                                "aborted_requests": aborted, "complete": not pending, "pending": pending}
+        if tenant is None:
+            body["data_keys_destroyed"] = counts.pop("keys_destroyed", 0)
+        else:
+            body["data_key_destroyed"] = bool(counts.pop("key_destroyed", 0))
+        if not pending:
+            return JSONResponse(body)
+        err = APIError(f"the purge is not complete: {', '.join(pending)} could not be reached, so "
+                       "those entries are not deleted yet. The purge is recorded and finishes when "
+                       "the tier answers (each DELETE /v1/cache and the sweeper retry it); until "
+                       "then this server neither reads nor writes the tenant's entries there.",
+                       503, type="server_error", code="purge_incomplete")
+        return JSONResponse({**err.body(), **body}, 503)
 
     @app.delete("/v1/cache")
     async def purge_cache(request: Request) -> Response:
-        """Delete the caller's KV from every tier and destroy its data key (admin: ?tenant=NAME)."""
+        """Delete the caller's KV from every tier and destroy its data key (admin: ?tenant=NAME,
+        ?all=true). The tenant's unfinished requests are aborted first (`aborted_requests`)."""
         if request.query_params.get("all") in ("1", "true"):
-            if not isinstance(resolver, SingleTenantResolver) and not tenant_of(request).admin:
-                raise APIError("only an admin key may purge every tenant", 403, type="permission_error",
-                               code="forbidden")
-            counts = await async_engine.run_soon(lambda core: core.purge_all())
-            destroyed = counts.pop("keys_destroyed", 0)
-            return JSONResponse({"object": "cache.purge", "tenant": None, "deleted_blocks": counts,
-                                 "data_keys_destroyed": destroyed})
-        target = cache_target(request)
-        counts = await async_engine.run_soon(lambda core: core.purge_tenant(target))
-        destroyed = bool(counts.pop("key_destroyed", 0))
-        return JSONResponse({"object": "cache.purge", "tenant": target, "deleted_blocks": counts,
-                             "data_key_destroyed": destroyed})
+            require_admin(request)
+            return purge_answer(None, await async_engine.purge(None, every_tenant=True))
+        target = cache_target(request, destructive=True)
+        return purge_answer(target, await async_engine.purge(target))
 
     @app.get("/v1/cache")
     async def cache_usage(request: Request) -> Response:
         """The caller's cached KV per tier (blocks, bytes where known)."""
-        target = cache_target(request)
-        usage = await async_engine.run_soon(lambda core: core.tenant_usage(target))
+        target = cache_target(request, destructive=False)
+        usage = await async_engine.usage(target)
         return JSONResponse({"object": "cache.usage", "tenant": target, "tiers": usage})
 
     @app.post("/admin/check_integrity")
     async def check_integrity(request: Request) -> Response:
-        """Runs the engine's invariant checks once it is idle (for load tests). With API keys,
-        only an admin key may call it."""
-        if not isinstance(resolver, SingleTenantResolver) and not tenant_of(request).admin:
-            raise APIError("this endpoint needs an admin API key", 403, type="permission_error",
-                           code="forbidden")
+        """Runs the engine's invariant checks once it is idle (for load tests). Needs an admin
+        credential, except on a server that has none at all (read-only; AdminAuth.open_reads)."""
+        if not admin.open_reads:
+            require_admin(request)
         def check(core: Any) -> dict[str, Any]:
             core.check_integrity()
             return {"ok": True, "kv_cache_usage_perc": core.kv.usage,
@@ -192,9 +243,16 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
 
 
 # ------------------------------------------------------------------ bodies and errors
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past `max_bytes` (the rest is read and dropped,
-    up to a bound, so the client sees the answer rather than a reset connection)."""
+_INLINE_BODY_BYTES = 64 << 10
+
+
+async def read_json(request: Request, max_bytes: int, then: Callable[[dict[str, Any]], Any] | None = None,
+                    precheck: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+    """The request body as a JSON object (`parse_json_object`'s checks, `precheck` first), or
+    `then(body)` of it;
+    413 past `max_bytes` (the rest is read and dropped, up to a bound, so the client sees the
+    answer rather than a reset connection). A body over 64 KiB is parsed and handed to `then`
+    (validation) on a worker thread, so that a large one does not stall the event loop."""
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > max_bytes
     body = bytearray()
@@ -212,13 +270,14 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if too_big:
         raise APIError(f"the request body is larger than {max_bytes} bytes (--max-body-bytes)",
                        413, code="request_too_large")
-    try:
-        obj = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"the body is not valid JSON: {e}", 400, code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError("the body must be a JSON object", 400, code="invalid_json")
-    return obj
+
+    def parse() -> Any:
+        obj = parse_json_object(bytes(body), precheck)
+        return obj if then is None else then(obj)
+
+    if len(body) <= _INLINE_BODY_BYTES:
+        return parse()
+    return await asyncio.to_thread(parse)
 
 
 def _validate(model: Any, body: dict[str, Any]) -> Any:
@@ -226,6 +285,8 @@ def _validate(model: Any, body: dict[str, Any]) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         raise validation_error(e) from None
+    except RecursionError:  # parse_json_object bounds the depth; this is the backstop
+        raise APIError("the body is nested too deeply to validate", 400, code="invalid_json") from None
 
 
 def _install_error_handlers(app: FastAPI) -> None:

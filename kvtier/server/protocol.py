@@ -9,7 +9,11 @@ names): `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+import json
+import math
+import re
+import sys
+from typing import Any, Callable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +33,95 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+MAX_JSON_DEPTH = 64
+"""Bodies nested deeper than this (objects and arrays) are a 400: no OpenAI request comes
+close, and the parser, pydantic and templates all recurse."""
+
+# a \uD800-\uDFFF escape: the only way a lone surrogate gets into a body that is strict UTF-8
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def parse_json_object(body: bytes, precheck: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """A request body as a JSON object, or a 400 saying what is wrong with it: not UTF-8, not
+    JSON, NaN/Infinity (not JSON), an integer too long to parse, nested deeper than
+    MAX_JSON_DEPTH, or a string holding a lone UTF-16 surrogate (not Unicode text; it would
+    fail in the tokenizer and in every JSON answer that echoes it). `precheck(obj)` runs
+    first, straight after parsing: O(1) checks that spare a hostile body the walk."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(f"the body is not valid UTF-8 ({e.reason} at byte {e.start})", 400,
+                       code="invalid_json") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity/1e400, too many digits for an int
+        msg = str(e)
+        if "integer string conversion" in msg:
+            msg = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        raise APIError(f"the body is not valid JSON: {msg}", 400, code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError("the body must be a JSON object", 400, code="invalid_json")
+    if precheck is not None:
+        precheck(obj)
+    _check_tree(obj, check_strings=_SURROGATE_ESCAPE.search(text) is not None)
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number; send a finite number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {literal[:40]} is out of range; send a finite number")
+    return value
+
+
+def _too_deep() -> APIError:
+    return APIError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep", 400,
+                    code="invalid_json")
+
+
+def _check_tree(obj: dict[str, Any], check_strings: bool) -> None:
+    """Depth, level by level without recursion; then, only when the body has surrogate
+    escapes at all, lone surrogates (keys count), named by path, e.g. `messages.0.content`."""
+    level: list[Any] = [obj]
+    for _ in range(MAX_JSON_DEPTH):
+        level = [v for node in level for v in (node.values() if type(node) is dict else node)
+                 if type(v) is list or type(v) is dict]
+        if not level:
+            break
+    else:
+        raise _too_deep()
+    if check_strings:
+        _find_surrogate(obj, ())
+
+
+def _find_surrogate(node: Any, path: tuple[str, ...]) -> None:
+    """Recursive, so only after the depth is known to be bounded."""
+    items = node.items() if isinstance(node, dict) else enumerate(node)
+    for key, value in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            raise _surrogate_error(path, key, f"a key of {'.'.join(path) or 'the body'}")
+        if isinstance(value, (dict, list)):
+            _find_surrogate(value, path + (str(key),))
+        elif isinstance(value, str) and _SURROGATE.search(value):
+            raise _surrogate_error(path + (str(key),), value, ".".join(path + (str(key),)))
+
+
+def _surrogate_error(path: tuple[str, ...], text: str, where: str) -> APIError:
+    m = _SURROGATE.search(text)
+    assert m is not None
+    return APIError(f"{where} contains a lone UTF-16 surrogate (U+{ord(m.group()):04X} at "
+                    f"character {m.start()}), which is not Unicode text; send valid UTF-8 or "
+                    r"paired \uD8xx\uDCxx escapes", 400, param=".".join(path) or None,
+                    code="invalid_unicode")
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -69,7 +162,8 @@ class _SamplingFields(_Strict):
     n: int = 1
     stop: Union[str, list[str], None] = None
     stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
+    """A 64-bit integer (the sampler's generator takes no more)."""
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[str] = None

@@ -2,16 +2,24 @@
 
 Token ids, timestamps (wall clock, seconds), a hash of the tenant, cached tokens by tier, the
 restore decision. No text unless `include_text` (KV and prompts are user data).
+
+`write` is called on the engine thread for every finished request, so it only queues the
+output: a writer thread builds the JSON line and appends it (a slow or full disk delays the
+log, never a stream). `close` writes what is queued.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import queue
 import threading
 import time
 from typing import Any
 
 from kvtier.outputs import RequestOutput
+
+logger = logging.getLogger("kvtier.server")
 
 
 class RequestLog:
@@ -23,16 +31,23 @@ class RequestLog:
         self._tenants: dict[str, str] = {}
         # RequestMetrics holds monotonic times; the log wants wall-clock ones
         self._wall_minus_mono = time.time() - time.monotonic()
+        self._queue: queue.SimpleQueue[tuple[RequestOutput, str | None] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="kvtier-request-log", daemon=True)
+        self._writer.start()
 
     def register(self, request_id: str, tenant_hash: str) -> None:
         with self._lock:
             self._tenants[request_id] = tenant_hash
 
     def write(self, out: RequestOutput, itl_s: list[float] | None = None) -> None:
-        m = out.metrics
-        off = self._wall_minus_mono
+        """Queue one finished request's line (returns at once; the writer thread appends it)."""
         with self._lock:
             tenant = self._tenants.pop(out.request_id, None)
+        self._queue.put((out, tenant))
+
+    def _line(self, out: RequestOutput, tenant: str | None) -> str:
+        m = out.metrics
+        off = self._wall_minus_mono
         rec: dict[str, Any] = {
             "request_id": out.request_id,
             "tenant": tenant,
@@ -49,10 +64,22 @@ class RequestLog:
         if self.include_text:
             rec["prompt"] = out.prompt
             rec["output_text"] = [c.text for c in out.outputs]
-        line = json.dumps(rec, separators=(",", ":"))
-        with self._lock:
-            self._file.write(line + "\n")
+        return json.dumps(rec, separators=(",", ":"))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                line = self._line(*item)
+                self._file.write(line + "\n")
+            except Exception:  # noqa: BLE001 - a log line is never worth the server
+                logger.exception("request log: could not write a line to %s", self.path)
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        """Write what is queued, then close the file."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join(30.0)
+        self._file.close()

@@ -34,23 +34,60 @@ logger = logging.getLogger("kvtier.server")
 
 Prompt = tuple[str | None, list[int]]
 
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 128
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask of the engine, so that one client cannot hold up the others."""
+
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
+    """Prompts in one /v1/completions batch (`prompt` as a list of strings or token lists)."""
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
+    """Sequences one request generates: prompts x `n`."""
+
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int,
-                 request_log: Any = None) -> None:
+                 request_log: Any = None, limits: RequestLimits | None = None) -> None:
         self.engine = engine
         self.request_log = request_log
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.limits = limits or RequestLimits()
         self.token_text = R.TokenText(tokenizer)
+        chars_per_token = getattr(tokenizer, "max_chars_per_token", None)
+        self.max_text_chars: int | None = (None if chars_per_token is None
+                                           else max_model_len * chars_per_token)
+        """Longer text cannot fit in the context whatever it tokenizes to: rejected untokenized."""
+
+    # ------------------------------------------------------------------ before validation
+    def precheck_completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        """O(1) checks of a parsed /v1/completions body before anything walks it: too many
+        prompts, or a token list longer than the context, is a 400 without touching each item."""
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            return body
+        if isinstance(prompt[0], (str, list)):
+            self._check_num_prompts(len(prompt))
+        elif len(prompt) > self.max_model_len:
+            raise _too_long(f"the prompt has {len(prompt)} token ids; this model's context is "
+                            f"{self.max_model_len} tokens", "prompt")
+        return body
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest, tenant: Tenant, raw: Request) -> Response:
         self._check_common(req)
-        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(
-            len(p) for p in req.prompt if isinstance(p, str))
-        prompts = await _off_loop(self._completion_prompts, req.prompt, chars=chars)
+        texts = [req.prompt] if isinstance(req.prompt, str) else [
+            p for p in req.prompt if isinstance(p, str)]
+        num_prompts = 1 if isinstance(req.prompt, str) or _is_token_list(req.prompt) else len(req.prompt)
+        self._check_num_prompts(num_prompts)
+        self._check_num_seqs(num_prompts, req.n)
+        for text in texts:
+            self._check_text_fits(text, "prompt")
+        prompts = await _off_loop(self._completion_prompts, req.prompt, chars=sum(map(len, texts)))
         request_id = f"cmpl-{uuid.uuid4().hex}"
         params = [self._params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
         streams = await self._add(request_id, prompts, params, req, tenant)
@@ -67,7 +104,7 @@ class OpenAIServing:
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
             items: list[Any] = [prompt]
-        elif prompt and all(isinstance(t, int) for t in prompt):
+        elif _is_token_list(prompt):
             items = [prompt]
         else:
             items = list(prompt)
@@ -136,8 +173,10 @@ class OpenAIServing:
                            "tokenizer.json", param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
-        ids = await _off_loop(self._encode_chat, req, chars=chars)
+        self._check_num_seqs(1, req.n)
+        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                    for m in req.messages if m.content is not None)
+        ids = await _off_loop(self._encode_chat, req, chars=chars + 64 * len(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None)]
@@ -154,16 +193,20 @@ class OpenAIServing:
                                         self.token_text, req.return_token_ids))
 
     def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        """Render the template, check the text can fit, then tokenize (the template can drop
+        or add text, so the bound is checked on what it renders)."""
         from jinja2 import TemplateError
 
         messages = [m.for_template() for m in req.messages]
         try:
-            return self.tokenizer.encode_chat(messages, req.add_generation_prompt,
-                                              **(req.chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt,
+                                                      **(req.chat_template_kwargs or {}))
         except TemplateError as e:
             raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
         except TypeError as e:  # chat_template_kwargs clashing with the template's arguments
             raise APIError(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
+        self._check_text_fits(text, "messages", what="the rendered chat")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def _stream_chat(self, request_id: str, created: int, stream: RequestStream,
                            sp: SamplingParams, num_top: int, include_usage: bool,
@@ -202,6 +245,29 @@ class OpenAIServing:
         yield R.SSE_DONE
 
     # ------------------------------------------------------------------ shared
+    def _check_num_prompts(self, num_prompts: int) -> None:
+        limit = self.limits.max_prompts_per_request
+        if num_prompts > limit:
+            raise APIError(f"prompt is a batch of {num_prompts} prompts; this server takes at most "
+                           f"{limit} per request (--max-prompts-per-request): split the batch into "
+                           "several requests", param="prompt", code="too_many_prompts")
+
+    def _check_num_seqs(self, num_prompts: int, n: int) -> None:
+        limit = self.limits.max_seqs_per_request
+        if isinstance(n, int) and num_prompts * n > limit:
+            raise APIError(f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this "
+                           f"server generates at most {limit} per request (--max-seqs-per-request): "
+                           "lower n or split the batch", param="n", code="too_many_sequences")
+
+    def _check_text_fits(self, text: str, param: str, what: str = "the prompt") -> None:
+        """A 400 for text longer than any tokenization of it that fits the context."""
+        limit = self.max_text_chars
+        if limit is not None and len(text) > limit:
+            raise _too_long(f"{what} has {len(text)} characters; this model's context is "
+                            f"{self.max_model_len} tokens and no text over {limit} characters fits "
+                            f"it (a token is at most {limit // self.max_model_len} characters): "
+                            "shorten it", param)
+
     def _check_common(self, req: _SamplingFields) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(f"the model {req.model!r} does not exist; this server serves "
@@ -275,12 +341,21 @@ class OpenAIServing:
             _abort_unfinished(self.engine, streams)
 
 
+def _is_token_list(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
+
+
+def _too_long(message: str, param: str) -> APIError:
+    return APIError(message, 400, param=param, code="context_length_exceeded")
+
+
 _INLINE_CHARS = 16 << 10
 
 
 async def _off_loop(fn: Callable[..., Any], *args: Any, chars: int) -> Any:
-    """fn(*args) (tokenization): inline when small, else on a worker thread, so a long prompt
-    does not stall the event loop (and every stream it serves)."""
+    """fn(*args) (templates, tokenization): inline when small, else on a worker thread, so a
+    long prompt does not stall the event loop (and every stream it serves); the tokenizer lets
+    go of the GIL while it encodes."""
     if chars <= _INLINE_CHARS:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)

@@ -108,6 +108,8 @@ class DiskTier(Tier):
         self.fsync = fsync
         self._lock = threading.Lock()
         """Guards the index, usage and reservations; never held during a file-system call."""
+        self._manifest_lock = threading.Lock()
+        """Serialises appends to the owner manifests (no index state behind it)."""
         self._key_locks = [threading.Lock() for _ in range(_NUM_KEY_LOCKS)]
         """Stripes that order one key's rename/unlink with its index update (see the module doc)."""
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> frame bytes, LRU first
@@ -183,12 +185,21 @@ class DiskTier(Tier):
         """Remember that `keys` belong to `owner_id` (an append-only manifest per owner)."""
         if not keys:
             return
+        line = "".join(f"{k.hex()} {time.time():.3f}\n" for k in keys).encode()
         try:
             path = self._owner_path(owner_id)
-            path.parent.mkdir(exist_ok=True)
-            now = time.time()
-            with self._lock, open(path, "a") as f:
-                f.write("".join(f"{k.hex()} {now:.3f}\n" for k in keys))
+            if not path.parent.is_dir():  # removed under us: recreate it private
+                _make_private_dir(path.parent)
+            # its own lock, not the index lock: contains_prefix never waits for this append
+            with self._manifest_lock:
+                fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+                try:
+                    os.fchmod(fd, 0o600)  # the mode of os.open passes through the umask
+                    view = memoryview(line)
+                    while view:
+                        view = view[os.write(fd, view):]
+                finally:
+                    os.close(fd)
         except OSError as exc:
             self._fail("record_owner", exc)
 

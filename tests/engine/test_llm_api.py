@@ -155,3 +155,26 @@ def test_errors_for_missing_model(tmp_path):
     from kvtier.model.hf_config import ModelLoadError
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "nope"))
+
+
+@pytest.mark.parametrize("stop", ["max_tokens", "stop_token"])
+def test_n_samples_whose_parent_finishes_on_its_first_token(llm, stop):
+    """n > 1 where the first sampled token already ends the parent (max_tokens=1, or its stop
+    token): the parent's KV is freed in that step, and each other sample still gets its own
+    first token and finishes (found by the server's fuzz test: it used to crash the step)."""
+    prompt = llm.tokenizer.encode("fork me")
+    if stop == "max_tokens":
+        sp = SamplingParams(n=4, max_tokens=1, temperature=1.0, seed=3)
+    else:
+        first = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0))[0].outputs[0].token_ids[0]
+        sp = SamplingParams(n=3, max_tokens=8, temperature=0.0, stop_token_ids=[first])
+    out = llm.generate([prompt], sp)[0]
+    assert len(out.outputs) == sp.n and all(o.finish_reason in ("length", "stop") for o in out.outputs)
+    assert all(len(o.token_ids) >= 1 for o in out.outputs)
+    if stop == "max_tokens":
+        assert all(len(o.token_ids) == 1 for o in out.outputs)
+    else:  # greedy: every sample stops on the same first token
+        assert all(o.finish_reason == "stop" for o in out.outputs)
+    again = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(again.outputs[0].token_ids) == 3  # the engine still serves
+    clean(llm)

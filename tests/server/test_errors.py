@@ -47,6 +47,26 @@ CASES = [
     ("chat stream too long", "/v1/chat/completions", {**OK_CHAT, "stream": True,
                                                       "messages": [{"role": "user", "content": "y" * 400}]}, 400, "messages"),
     ("oversized body", "/v1/completions", {**OK_COMPLETION, "prompt": "z" * (100 << 10)}, 413, None),
+    # JSON that decodes to what no tokenizer or JSON encoder takes, or that the parser chokes on
+    ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
+    ("lone surrogate in streamed prompt", "/v1/completions",
+     b'{"prompt": "\\ud800abc", "max_tokens": 2, "stream": true}', 400, "prompt"),
+    ("lone surrogate in a batch", "/v1/completions", b'{"prompt": ["ok", "ab\\udfff"]}', 400, "prompt.1"),
+    ("lone surrogate in chat", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "\\ud800abc"}]}', 400, "messages.0.content"),
+    ("lone surrogate in a chat text part", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}', 400,
+     "messages.0.content.0.text"),
+    ("surrogate as raw bytes (not UTF-8)", "/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),
+    ("nested 30000 deep", "/v1/completions", b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}", 400, None),
+    ("nested 100 deep", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": '
+     + b"[" * 100 + b"]" * 100 + b"}}", 400, None),
+    ("integer of 5000 digits", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
+    ("number out of range", "/v1/completions", b'{"prompt": "hi", "temperature": 1e400}', 400, None),
+    ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, None),
+    ("Infinity", "/v1/chat/completions", b'{"messages": [], "top_p": -Infinity}', 400, None),
+    ("seed beyond 64 bits", "/v1/completions", {**OK_COMPLETION, "seed": 2**64}, 400, "seed"),
 ]
 
 
@@ -65,6 +85,27 @@ def test_bad_input_is_a_4xx_with_an_error_body(server, name, path, body, status,
     assert err["param"] == param
     # still serving, nothing leaked
     assert post(server.url, "/v1/completions", OK_COMPLETION).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", b'{"prompt": "\\ud800abc"}', "prompt"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800abc"}], "stream": true}',
+     "messages.0.content"),
+])
+def test_lone_surrogate_error_names_the_field(server, path, body, field):
+    r = post(server.url, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "invalid_unicode"
+    assert err["message"].startswith(f"{field} contains a lone UTF-16 surrogate (U+D800"), err
+    assert "chat_template_kwargs" not in err["message"]
+
+
+def test_depth_error_says_what_is_wrong(server):
+    r = post(server.url, "/v1/completions", b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}")
+    assert r.status_code == 400
+    assert r.json()["error"] == {"message": "the body is nested more than 64 levels deep",
+                                 "type": "invalid_request_error", "param": None, "code": "invalid_json"}
 
 
 def test_unknown_route_and_method(server):

@@ -49,7 +49,7 @@ def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp
     def instance(name: str):
         return serve("--api-keys", str(keys), "--disk-cache-dir", str(tmp_path / name),
                      "--remote-cache-url", redis_url, "--kv-master-key-file", str(master),
-                     "--kv-key-check-interval-s", "0")
+                     "--kv-key-check-interval-s", "0", "--restore-policy", "always")
 
     a, b = instance("a"), instance("b")
     assert cached(a) == 0

@@ -6,6 +6,7 @@ later tooling needs without raw text."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -66,9 +67,13 @@ def test_admin_endpoint_needs_an_admin_key(tenant_server):
 
 def test_request_log_has_tokens_and_tenant_hash_but_no_text(tenant_server):
     s, log = tenant_server
+    before = len(log.read_text().splitlines())
     cached(s, "sk-b", prompt="log me please")
+    deadline = time.monotonic() + 30.0  # the log's writer thread appends the line after the answer
+    while len(log.read_text().splitlines()) <= before:
+        assert time.monotonic() < deadline, "no request-log line for the request"
+        time.sleep(0.02)
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert lines
     rec = lines[-1]
     assert rec["prompt_token_ids"] and rec["output_token_ids"] and rec["tenant"]
     assert rec["tenant"] != "globex" and len(rec["tenant"]) == 16

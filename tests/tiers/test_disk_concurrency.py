@@ -80,6 +80,8 @@ def test_no_file_system_call_runs_under_the_index_lock(tmp_path: Path) -> None:
         (tier.dir / keys[4].hex()[:2] / f"{keys[4].hex()}.kv").unlink()  # behind the index
         assert tier.get(keys[4]) is None and tier.contains_prefix(keys[4:5]) == 0
         assert tier.delete(keys[3]) and tier.contains_prefix(keys[2:3]) == 1
+        tier.record_owner("c" * 32, keys[1:3])  # the manifest append, too
+        assert tier.owner_keys("c" * 32) == keys[1:3]
         assert tier.clear() == 2
     finally:
         _watched.clear()

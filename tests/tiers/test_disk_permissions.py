@@ -46,6 +46,15 @@ def test_directories_are_0700_and_files_0600_whatever_the_umask(tmp_path: Path, 
     assert len(fan_out) == len({k.hex()[:2] for k in keys}) and {mode(p) for p in fan_out} == {0o700}
     frames = list(tier.dir.glob("*/*.kv"))
     assert len(frames) == 20 and {mode(p) for p in frames} == {0o600}
+    # the owner manifests map tenant hashes to block keys: private too, also when their folder
+    # was removed under the running tier
+    tier.record_owner("a" * 32, keys[:3])
+    (tier.dir / "owners" / f"{'a' * 32}.keys").unlink()
+    (tier.dir / "owners").rmdir()
+    tier.record_owner("b" * 32, keys[3:5])
+    assert mode(tier.dir / "owners") == 0o700
+    assert mode(tier.dir / "owners" / f"{'b' * 32}.keys") == 0o600
+    assert tier.owner_keys("b" * 32) == keys[3:5]
 
 
 def test_an_existing_root_is_left_alone(tmp_path: Path) -> None:
