@@ -235,7 +235,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     from kvtier import LLM
+
+    # kvtier's own loggers (tiers going down and back, corrupt entries, purges) at the level the
+    # operator asked for, with the level and source on each line (uvicorn formats its own)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvtier.server.app import ServerConfig, run_server
     from kvtier.server.serving import RequestLimits
 

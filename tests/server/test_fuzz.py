@@ -194,7 +194,8 @@ def test_other_endpoints_never_5xx(other_client, request: tuple[tuple[str, str],
 
 def test_server_healthy_and_clean_after_fuzzing(server, client) -> None:
     assert client.get("/health").status_code == 200
-    r = _post(client, "/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2}).encode())
+    r = _post(client, "/v1/completions", json.dumps({"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2,
+                                                          "ignore_eos": True}).encode())
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     server.check_idle_clean()
     assert "Traceback" not in server.log(), server.log()[-5000:]
