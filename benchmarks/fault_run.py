@@ -32,8 +32,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,7 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvtier.bench.server import SERVED_MODEL_NAME, free_port, start, stop_process  # noqa: E402
+from kvtier.bench.server import SERVED_MODEL_NAME, free_port, start, start_redis_server  # noqa: E402
 from kvtier.server.sse import aiter_events  # noqa: E402
 
 BLOCK = 16
@@ -93,19 +91,7 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        import redis
-
-        self.proc = subprocess.Popen([shutil.which("redis-server"), "--port", str(self.port), "--bind",
-                                      "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.dir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-        for _ in range(200):
-            try:
-                client.ping()
-                return
-            except redis.ConnectionError:
-                time.sleep(0.025)
-        raise RuntimeError("redis-server did not start")
+        self.proc, _ = start_redis_server(self.dir, port=self.port)
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

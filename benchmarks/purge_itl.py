@@ -23,7 +23,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from kvtier.bench.server import free_port, start, stop_process  # noqa: E402
+from kvtier.bench.server import start, start_redis_server, stop_process  # noqa: E402
 
 BLOCK_SIZE = 16
 ADMIN, BENCH, VICTIM = "sk-ops", "sk-bench", "sk-victim"
@@ -52,19 +51,7 @@ def build_model(d: Path) -> None:
 
 
 def start_redis(d: Path) -> tuple[subprocess.Popen, str]:
-    import redis
-
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("redis-server") or "/usr/bin/redis-server", "--port", str(port),
-                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(d)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
+    proc, port = start_redis_server(d)
     return proc, f"redis://127.0.0.1:{port}/0"
 
 

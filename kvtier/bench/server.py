@@ -38,6 +38,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_redis_server(data_dir: str | Path, port: int | None = None,
+                       ready_timeout_s: float = 30.0) -> tuple[subprocess.Popen, int]:
+    """A real redis-server (Debian's, on PATH) on a loopback port, without persistence; returns
+    once it answers PING. The caller stops it (it may also SIGSTOP / kill it on purpose)."""
+    import shutil
+
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = port or free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(data_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + ready_timeout_s
+    while True:
+        try:
+            client.ping()
+            return proc, port
+        except redis.ConnectionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start on port {port}") from None
+            time.sleep(0.02)
+        finally:
+            client.close()
+
+
 def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     """`kvtier serve` flags for LLM keyword arguments as `kvtier.cli.main.engine_kwargs` builds
     them (the engine and tier flag group)."""

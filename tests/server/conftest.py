@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from serverutil import MAX_MODEL_LEN, Server, start_server, stop_server  # noqa: E402
+from serverutil import MAX_MODEL_LEN, Server, start_redis, start_server, stop_redis, stop_server  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -59,31 +59,9 @@ def server(serve) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def redis_url(tmp_path_factory):
     """A real redis-server on a free loopback port (skips if Debian's redis-server is absent)."""
-    import shutil
-    import socket
-    import subprocess
-    import time
-
-    redis = pytest.importorskip("redis")
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
+    pytest.importorskip("redis")
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield url
+    stop_redis(proc)
 
 

@@ -94,3 +94,28 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+def start_redis(data_dir: Path) -> tuple[subprocess.Popen, str]:
+    """A real redis-server of the caller's own (it may stop or kill it): (process, URL). Skips
+    the test when Debian's redis-server is absent."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
+    from kvtier.bench.server import start_redis_server
+
+    proc, port = start_redis_server(data_dir)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def stop_redis(proc: subprocess.Popen) -> None:
+    """Stop a redis-server from start_redis, also one that a test left paused (SIGSTOP)."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        proc.wait(10)

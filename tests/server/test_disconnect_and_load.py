@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from serverutil import MODEL_NAME, scrape
+from serverutil import MODEL_NAME, scrape, start_redis, stop_redis
 
 from kvtier.server.sse import aiter_events
 
@@ -40,34 +40,10 @@ def wait_for(predicate, timeout_s: float = 60.0, what: str = "condition") -> Non
 @pytest.fixture(scope="module")
 def stalled_redis(tmp_path_factory):
     """A real redis-server that the test can freeze (SIGSTOP) and thaw (SIGCONT)."""
-    import shutil
-    import signal
-    import subprocess
-
-    from serverutil import free_port
-
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    import redis
-
-    client = redis.Redis(port=port)
-    wait_for(lambda: _pings(client), 30.0, "redis-server to start")
-    yield proc, f"redis://127.0.0.1:{port}/0"
-    proc.send_signal(signal.SIGCONT)
-    proc.terminate()
-    proc.wait(10)
-
-
-def _pings(client) -> bool:
-    try:
-        return bool(client.ping())
-    except Exception:  # noqa: BLE001 - not up yet
-        return False
+    pytest.importorskip("redis")
+    proc, url = start_redis(tmp_path_factory.mktemp("redis"))
+    yield proc, url
+    stop_redis(proc)
 
 
 def test_stream_closed_early_aborts_and_frees_blocks(server):

@@ -8,10 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 
 import httpx
 import pytest
@@ -25,27 +22,11 @@ PROMPT = "Tenant A's document that must leave Redis even if Redis is away when a
 @pytest.fixture
 def redis_proc(tmp_path):
     """A redis-server of this test's own, so it can be stopped (SIGSTOP) and resumed."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(200):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            import time
-            time.sleep(0.05)
-    yield proc, f"redis://127.0.0.1:{port}/0"
-    os.kill(proc.pid, signal.SIGCONT)
-    proc.terminate()
-    proc.wait(10)
+    from serverutil import start_redis, stop_redis
+
+    proc, url = start_redis(tmp_path)
+    yield proc, url
+    stop_redis(proc)
 
 
 def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:

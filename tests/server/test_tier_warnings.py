@@ -3,37 +3,20 @@ and source, and the requests meanwhile are served correctly by recomputing."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from serverutil import MODEL_NAME, free_port
+from serverutil import MODEL_NAME, start_redis, stop_redis
 
 redis = pytest.importorskip("redis")
 
 
 def test_redis_down_is_a_warning_in_the_server_log(serve, tmp_path):
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (CI installs Debian's redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc, url = start_redis(tmp_path)
     try:
-        client = redis.Redis(port=port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.02)
-        server = serve("--remote-cache-url", f"redis://127.0.0.1:{port}/0")
+        server = serve("--remote-cache-url", url)
         body = {"model": MODEL_NAME, "prompt": "a prompt that Redis would have stored " * 2,
                 "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
@@ -49,5 +32,4 @@ def test_redis_down_is_a_warning_in_the_server_log(serve, tmp_path):
         assert "remote" in line and "unavailable" in line, line
         server.check_idle_clean()
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_redis(proc)
