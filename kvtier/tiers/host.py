@@ -30,6 +30,10 @@ class HostTier(TierCounters):
         super().__init__(faults, stats_lock=self._lock)  # one lock for entries and counters
         self.on_evict = on_evict
         """Called (outside the lock) with each entry pushed out by capacity: write-back demotion."""
+        self.watch: Callable[[bytes, bool], None] | None = None
+        """Called (outside the lock) as watch(key, present) whenever a key enters (True) or leaves
+        (False) the tier, for any reason: a process that cannot see this tier keeps a mirror of
+        its keys by it (the vLLM connector's scheduler side)."""
 
     # ------------------------------------------------------------------ properties
     @property
@@ -116,6 +120,10 @@ class HostTier(TierCounters):
             self._stats.puts += 1
             self._stats.bytes_written += nbytes
             self._stats.write_s += time.perf_counter() - t0
+        if self.watch is not None:
+            for k, _ in evicted:
+                self.watch(k, False)
+            self.watch(key, True)
         if self.on_evict is not None:
             for k, v in evicted:
                 self.on_evict(k, v)
@@ -137,7 +145,9 @@ class HostTier(TierCounters):
             del self._entries[key]
             self._usage -= size
             self._stats.deletes += 1
-            return True
+        if self.watch is not None:
+            self.watch(key, False)
+        return True
 
     def purge_where(self, predicate) -> int:
         """Delete every entry whose stored value satisfies `predicate`; returns how many.
@@ -156,12 +166,16 @@ class HostTier(TierCounters):
 
     def clear(self) -> int:
         with self._lock:
+            gone = list(self._entries) if self.watch is not None else []
             n = len(self._entries)
             self._entries.clear()
             self._sizes.clear()
             self._usage = 0
             self._stats.deletes += n
-            return n
+        if self.watch is not None:
+            for key in gone:
+                self.watch(key, False)
+        return n
 
     def close(self) -> None:
         self.clear()

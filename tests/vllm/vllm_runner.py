@@ -1,0 +1,96 @@
+"""Runs vLLM (in the vLLM virtual environment) for the connector tests and benchmarks.
+
+    python vllm_runner.py spec.json out.json
+
+spec: {"model": dir, "dtype": "float32", "kv_cache_bytes": int, "connector": {extra config} | null,
+       "max_num_seqs": 8, "max_model_len": 1024, "block_size": 128,
+       "phases": [{"prompts": [[ids...], ...], "max_tokens": 8, "salts": [..] | null,
+                   "before": {"kill_pid": int} | {"corrupt_dir": dir} | null}, ...]}
+out:  {"phases": [{"outputs": [[ids...]], "cached": [n...], "seconds": s, "ttft": [...]}], "stats": {...}}
+
+Every phase's prompts are submitted together (one generate call); greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _connector_config(extra: dict):
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                            kv_role="kv_both", kv_connector_extra_config=extra)
+
+
+def main() -> None:
+    spec = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True,
+                  enable_prefix_caching=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+                  max_num_seqs=spec.get("max_num_seqs", 8), max_model_len=spec.get("max_model_len", 1024),
+                  block_size=spec.get("block_size", 128), seed=0,
+                  max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+                  enforce_eager=spec.get("enforce_eager", True), disable_log_stats=False)
+    if spec.get("connector") is not None:
+        kwargs["kv_transfer_config"] = _connector_config(spec["connector"])
+    llm = LLM(**kwargs)
+    out = {"phases": []}
+    for phase in spec["phases"]:
+        before = phase.get("before") or {}
+        if "kill_pid" in before:
+            os.kill(int(before["kill_pid"]), 9)
+            time.sleep(0.2)
+        if "sigstop_pid" in before:
+            os.kill(int(before["sigstop_pid"]), 19)
+        if "corrupt_dir" in before:
+            for root, _, files in os.walk(before["corrupt_dir"]):
+                for name in files:
+                    if name.endswith(".kv"):
+                        path = os.path.join(root, name)
+                        data = bytearray(open(path, "rb").read())
+                        data[len(data) // 2] ^= 0xFF
+                        open(path, "wb").write(bytes(data))
+        params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                detokenize=False)
+        salts = phase.get("salts") or [None] * len(phase["prompts"])
+        prompts = []
+        for ids, salt in zip(phase["prompts"], salts):
+            p = {"prompt_token_ids": ids}
+            if salt is not None:
+                p["cache_salt"] = salt
+            prompts.append(p)
+        per_request = phase.get("one_at_a_time", False)
+        t0 = time.perf_counter()
+        results = []
+        if per_request:
+            for p in prompts:
+                results += llm.generate([p], params, use_tqdm=False)
+        else:
+            results = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        ttft = []
+        for r in results:
+            m = getattr(r, "metrics", None)
+            ttft.append(getattr(m, "first_token_latency", None) if m is not None else None)
+        out["phases"].append({
+            "outputs": [list(r.outputs[0].token_ids) for r in results],
+            "cached": [r.num_cached_tokens for r in results],
+            "seconds": seconds, "ttft": ttft,
+        })
+    out["metrics"] = {}
+    try:
+        for metric in llm.get_metrics():
+            if "kvtier" in metric.name:
+                out["metrics"][metric.name] = getattr(metric, "value", None)
+    except Exception as e:  # noqa: BLE001 - recorded, the test says what it needs
+        out["metrics_error"] = repr(e)
+    json.dump(out, open(sys.argv[2], "w"))
+
+
+if __name__ == "__main__":
+    main()
