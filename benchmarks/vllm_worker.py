@@ -46,7 +46,7 @@ def _build_llm(args):
     from vllm import LLM
 
     kw = dict(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True,
-              kv_cache_memory_bytes=args.kv_cache_bytes, dtype="bfloat16", seed=0,
+              kv_cache_memory_bytes=args.kv_cache_bytes, dtype=args.dtype, seed=0,
               max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
     if args.block_size:
         kw["block_size"] = args.block_size
@@ -54,6 +54,12 @@ def _build_llm(args):
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
+    if args.kvtier_connector:
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=json.loads(args.kvtier_connector))
     return LLM(**kw)
 
 
@@ -124,7 +130,7 @@ def run(args) -> dict:
                "num_requests": len(spec["prompts"]), "expected_output_tokens":
                len(spec["prompts"]) * spec["max_tokens"]}
     elif wl == "pressure":
-        spec = W.pressure()
+        spec = W.pressure(num_prefixes=args.num_prefixes)
         timed([W.tokens(99, len(spec["first"][0]))], 1)  # one-time setup
         first, first_cached = [], []
         for p in spec["first"]:
@@ -175,6 +181,10 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: vLLM's choice")
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: vLLM's choice")
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype (float32 where the CPU lacks bf16 matmul)")
+    ap.add_argument("--num-prefixes", type=int, default=24, help="pressure: distinct 2,048-token prefixes")
+    ap.add_argument("--kvtier-connector", default=None, metavar="JSON",
+                    help="run with kvtier's KV connector; JSON: its kv_connector_extra_config")
     ap.add_argument("--preload-iomp", action="store_true",
                     help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)")
     args = ap.parse_args()
@@ -199,6 +209,7 @@ def main() -> None:
            "kv_cache_bytes": args.kv_cache_bytes, "repeats": args.repeats,
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
            "ld_preload": os.environ.get("LD_PRELOAD", ""),
+           "kvtier_connector": json.loads(args.kvtier_connector) if args.kvtier_connector else None,
            "worker_wall_s": time.perf_counter() - t}
     sys.stdout.flush()
     os.write(real_stdout, (json.dumps(out) + "\n").encode())

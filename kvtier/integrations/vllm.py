@@ -45,6 +45,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -358,7 +359,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                                         labelnames=labelnames)
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
         hist = self._histogram_cls(name="vllm:kvtier_restore_seconds",
-                                   documentation="kvtier connector: seconds from a load's start to its last block in vLLM's pool",
+                                   documentation="kvtier connector: seconds from a load's start to its "
+                                                 "last block in vLLM's pool",
                                    labelnames=labelnames,
                                    buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0])
         self._restore = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
@@ -546,7 +548,8 @@ class _SchedulerSide:
 
             self.remotes = [RemoteTier(tier_config.remote_cache_url, fingerprint=fp,
                                        timeout_s=tier_config.remote_timeout_s) for fp in self.rank_fps]
-        self._lookup_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup") if self.remotes else None
+        self._lookup_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup")
+                             if self.remotes else None)
         self.remote_wait_s = options["remote_lookup_wait_s"]
         self.roots: dict[str | None, bytes] = {}
         self.reqs: dict[str, _ReqState] = {}
@@ -581,6 +584,12 @@ class _SchedulerSide:
         name = key.hex()
         return all(os.path.exists(d / name[:2] / f"{name}.kv") for d in self.disk_dirs)
 
+    def _stored_locally(self, key: bytes) -> bool:
+        """In every rank's host tier (the mirror) or on disk: no need to store it again."""
+        if self.host_keys.get(key, 0) >= self.world:
+            return True
+        return bool(self.disk_dirs) and self._on_disk(key)
+
     def _remote_prefix(self, req_id: str, keys: list[bytes], start: int) -> int | None:
         """Absolute count of leading keys in Redis on every rank (None: not known yet)."""
         if not self.remotes or start >= len(keys):
@@ -592,7 +601,7 @@ class _SchedulerSide:
             pending = self.remote_futures[req_id] = (len(keys), future)
         try:
             return pending[1].result(timeout=self.remote_wait_s)
-        except TimeoutError:
+        except FutureTimeout:
             return None
         except Exception:  # noqa: BLE001 - a lookup that failed finds nothing (the tier logs it)
             return start
@@ -619,9 +628,15 @@ class _SchedulerSide:
             p += 1
         return runs
 
+    @staticmethod
+    def _cacheable(request: "Request") -> bool:
+        """KV that depends on more than the token ids (images, prompt embeddings) is never
+        stored and never restored."""
+        return not request.mm_features and getattr(request, "prompt_embeds", None) is None
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
-            return 0, False  # KV depends on more than the token ids: never stored, never restored
+        if not self._cacheable(request):
+            return 0, False
         bs = self.block_size
         num_tokens = request.num_tokens
         usable = (num_tokens - 1) // bs  # the last token is always computed
@@ -631,10 +646,13 @@ class _SchedulerSide:
             return 0, False
         st = self._state(request)
         keys = self._keys(st, usable)
-        remote_prefix = self._remote_prefix(request.request_id, keys, device)
-        if remote_prefix is None:
-            return None, False  # Redis has not answered yet: vLLM asks again next step
-        runs = self._runs(keys, device, remote_prefix)
+        runs = self._runs(keys, device, 0)
+        remote_prefix = 0
+        if self.remotes and device + sum(r.num_blocks for r in runs) < usable:  # Redis may have more
+            remote_prefix = self._remote_prefix(request.request_id, keys, device)
+            if remote_prefix is None:
+                return None, False  # Redis has not answered yet: vLLM asks again next step
+            runs = self._runs(keys, device, remote_prefix)
         self._update_queue_estimates()
         decision = self.cost.decide(device * bs, runs, num_tokens, restore_all=self.restore_all)
         self.lookups[request.request_id] = _Lookup(num_tokens, device, runs, remote_prefix, decision)
@@ -647,6 +665,8 @@ class _SchedulerSide:
             self.cost.queue_s[name] = self.inflight[name] * self.cost.tiers[name].job_s.get(0.0) / workers
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        if not self._cacheable(request):
+            return
         st = self._state(request)
         lookup = self.lookups.pop(request.request_id, None)
         self.remote_futures.pop(request.request_id, None)
@@ -679,13 +699,16 @@ class _SchedulerSide:
         bs = self.block_size
         x0 = x1 = 0.0
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        scheduled: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        scheduled: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens)
+                                            for r in scheduler_output.scheduled_new_reqs]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        prefill = False
         for req_id, computed in scheduled:
             n = scheduler_output.num_scheduled_tokens.get(req_id, 0) - len(spec.get(req_id, ()))
             if n <= 0:
                 continue
+            prefill = prefill or n > 1
             a, b = self.cost.prefill.features(n, computed)
             x0 += a
             x1 += b
@@ -699,11 +722,14 @@ class _SchedulerSide:
                 continue
             block_ids = kv_cache_manager.get_blocks(req_id).get_block_ids()[0]
             keys = self._keys(st, full)
-            meta.stores.append(StoreSpec(keys[st.saved:full], list(block_ids[st.saved:full]), st.salt))
-            self.stats.add("stores")
-            self.stats.add("store_blocks", full - st.saved)
+            # blocks a device hit brought are often stored already: copy out only the missing ones
+            todo = [i for i in range(st.saved, full) if not self._stored_locally(keys[i])]
             st.saved = full
-        meta.step_features = (x0, x1)
+            if todo:
+                meta.stores.append(StoreSpec([keys[i] for i in todo], [block_ids[i] for i in todo], st.salt))
+                self.stats.add("stores")
+                self.stats.add("store_blocks", len(todo))
+        meta.step_features = (x0, x1) if prefill else (0.0, 0.0)  # time only steps that prefill
         return meta
 
     def update_output(self, output: "KVConnectorOutput") -> None:
@@ -815,7 +841,15 @@ class _WorkerSide:
         self._h2d: tuple[float, float] = (0.0, 0.0)
         self.stats = KVTierStats()
         self._errors_seen: dict[str, int] = {}
+        self._stats_scanned = 0.0
         self._load_pool: ThreadPoolExecutor | None = None
+        self._owners: dict[str, str | None] = {}
+        """Owner id -> tenant (cache_salt) of every block this worker stored or loaded."""
+        self._purge_interval_s = options["purge_check_interval_s"]
+        self._purge_requests = None
+        self._purge_stop = threading.Event()
+        self._purge_thread: threading.Thread | None = None
+        self.purges_done = 0
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         group = self.kv_cache_config.kv_cache_groups[0]
@@ -839,6 +873,43 @@ class _WorkerSide:
                                              thread_name_prefix="kvtier-vllm-load")
         logger.info("kvtier connector rank %d: tiers %s, block %s %s (%d bytes), layout axis %d",
                     self.rank, self.tiers.names, self.block_shape, self.dtype, block_bytes, self.axis)
+        where = self.config.disk_cache_dir or self.config.key_dir
+        if where or self.config.remote_cache_url:
+            from kvtier.tiers.purge import PurgeRequests
+
+            self._purge_requests = PurgeRequests(where, self.config.remote_cache_url)
+            self._purge_thread = threading.Thread(target=self._watch_purges, name="kvtier-vllm-purges", daemon=True)
+            self._purge_thread.start()
+
+    def _watch_purges(self) -> None:
+        """Act on `kvtier cache purge` requests (kvtier.tiers.purge.PurgeRequests): drop this
+        worker's copies of the tenant (host tier), fence its queued stores, delete what they wrote
+        since, and forget its data key. Runs on its own thread, so an idle vLLM acts too."""
+        assert self._purge_requests is not None and self.tiers is not None
+        seen = self._purge_requests.poll()  # requests from before this process: nothing of them here
+        while not self._purge_stop.wait(self._purge_interval_s):
+            for oid, when in self._purge_requests.poll().items():
+                if when <= seen.get(oid, 0.0):
+                    continue
+                seen[oid] = when
+                with self._lock:
+                    known = oid in self._owners
+                    owner = self._owners.pop(oid, None)
+                if not known:
+                    continue  # this worker never held the tenant's blocks
+                try:
+                    counts = self.tiers.begin_purge(owner).result()
+                    self.purges_done += 1
+                    logger.info("kvtier connector rank %d: purged tenant %s on request: %s", self.rank, oid, counts)
+                except Exception:  # noqa: BLE001 - logged; the next request retries it
+                    logger.exception("kvtier connector: purge of tenant %s failed", oid)
+                    seen.pop(oid, None)
+
+    def _remember(self, owner: str | None) -> None:
+        oid = owner_id(owner)
+        if oid not in self._owners:
+            with self._lock:
+                self._owners[oid] = owner
 
     def _on_host_change(self, key: bytes, present: bool) -> None:
         with self._lock:
@@ -846,20 +917,22 @@ class _WorkerSide:
 
     # -- blocks in and out of vLLM's pool -------------------------------------------------------------
     def _read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        """Copies of blocks `block_ids`, each [num_layers, ...block], on the CPU."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self.layers[0].device)
-        per_layer = [t.index_select(self.axis, idx).movedim(self.axis, 0) for t in self.layers]
-        stacked = torch.stack(per_layer, dim=1)  # [n, layers, ...]
-        if stacked.device.type != "cpu":
-            stacked = stacked.to("cpu")
-        return [stacked[i].clone() for i in range(len(block_ids))]
+        """Copies of blocks `block_ids`, each [num_layers, ...block] on the CPU: one copy per
+        block straight out of vLLM's pool (the host tier keeps these tensors as they are)."""
+        out = []
+        for b in block_ids:
+            block = torch.stack([t.select(self.axis, b) for t in self.layers])
+            out.append(block if block.device.type == "cpu" else block.to("cpu"))
+        return out
 
     def _write_blocks(self, block_ids: list[int], tensors: list[torch.Tensor]) -> None:
+        """Copy restored blocks into vLLM's pool: one copy per block and layer, no staging."""
         device = self.layers[0].device
-        idx = torch.tensor(block_ids, dtype=torch.long, device=device)
-        data = torch.stack(tensors).to(device)  # [n, layers, ...]
-        for layer, t in enumerate(self.layers):
-            t.index_copy_(self.axis, idx, data[:, layer].movedim(0, self.axis) if self.axis else data[:, layer])
+        for b, block in zip(block_ids, tensors):
+            if block.device != device:
+                block = block.to(device, non_blocking=True)
+            for layer, t in enumerate(self.layers):
+                t.select(self.axis, b).copy_(block[layer])
 
     # -- loads ---------------------------------------------------------------------------------------
     def start_loads(self, meta: KVTierMetadata) -> None:
@@ -867,6 +940,7 @@ class _WorkerSide:
             return
         assert self.tiers is not None and self._load_pool is not None
         for spec in meta.loads:
+            self._remember(spec.owner)
             runs = self.tiers.runs(spec.keys, 0, remote_prefix=spec.remote_prefix)
             available = sum(r.num_blocks for r in runs)
             future = self.tiers.submit_load(spec.keys[:available], runs, spec.owner) if available else None
@@ -933,6 +1007,7 @@ class _WorkerSide:
         if not meta.stores or self.tiers is None:
             return
         for spec in meta.stores:
+            self._remember(spec.owner)
             tensors = self._read_blocks(spec.block_ids)
             self.tiers.store(spec.keys, tensors, [spec.owner] * len(spec.keys))
 
@@ -954,7 +1029,9 @@ class _WorkerSide:
         return meta
 
     def take_stats(self) -> KVTierStats | None:
-        if self.tiers is not None:
+        now = time.monotonic()
+        if self.tiers is not None and now - self._stats_scanned >= 0.5:  # not on every decode step
+            self._stats_scanned = now
             for name, tier in self.tiers.tiers.items():
                 s = tier.stats
                 totals = {f"{name}_bytes_read": s.bytes_read, "corrupt_blocks": s.corrupt,
@@ -977,6 +1054,7 @@ class _WorkerSide:
         return out
 
     def close(self) -> None:
+        self._purge_stop.set()
         if self._load_pool is not None:
             self._load_pool.shutdown(wait=True)
         if self.tiers is not None:

@@ -163,3 +163,124 @@ def unlink_remote(tier: Any, keys: list[bytes]) -> int:
         tier._count(deletes=n)
         removed += n
     return removed
+
+
+# ---------------------------------------------------------------------------------------------
+# Purges from outside a running engine (`kvtier cache purge`): the vLLM connector's tenants.
+
+PURGE_REQUESTS_DIR = "purge-requests"
+"""Beside the disk tier (or the key directory): one file per owner id, its mtime the request."""
+PURGE_REQUESTS_HASH = b"kvtier:purge-requests"
+"""In Redis: owner id -> unix time of the latest purge request."""
+
+
+class PurgeRequests:
+    """Where `kvtier cache purge` tells running processes (vLLM workers with the kvtier
+    connector) that a tenant was purged, so that they drop what they hold in memory (their host
+    tier) and fence the tenant's in-flight stores: files in a shared directory and/or a Redis hash.
+    Both are polled; a request is identified by (owner id, time)."""
+
+    def __init__(self, directory: str | os.PathLike | None = None, redis_url: str | None = None) -> None:
+        self.directory = Path(directory) / PURGE_REQUESTS_DIR if directory else None
+        self.redis_url = redis_url
+        self._client: Any = None
+
+    def _redis(self) -> Any:
+        if self._client is None and self.redis_url:
+            import redis
+
+            from kvtier.tiers.remote import parse_url
+
+            url, cluster = parse_url(self.redis_url)
+            if cluster:
+                from redis.cluster import RedisCluster
+
+                self._client = RedisCluster.from_url(url, socket_timeout=1.0)
+            else:
+                self._client = redis.Redis.from_url(url, socket_timeout=1.0)
+        return self._client
+
+    def post(self, oid: str, when: float | None = None) -> list[str]:
+        """Record a purge request of `oid`; returns where it was recorded."""
+        when = time.time() if when is None else when
+        done: list[str] = []
+        if self.directory is not None:
+            self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path = self.directory / oid
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(repr(when))
+            os.utime(path, (when, when))
+            done.append(str(path))
+        if self.redis_url:
+            self._redis().hset(PURGE_REQUESTS_HASH, oid, repr(when))
+            done.append(self.redis_url)
+        return done
+
+    def poll(self) -> dict[str, float]:
+        """{owner id: time of its latest request} from every place configured (errors: skipped)."""
+        out: dict[str, float] = {}
+        if self.directory is not None and self.directory.is_dir():
+            try:
+                for entry in os.scandir(self.directory):
+                    if entry.is_file():
+                        out[entry.name] = max(out.get(entry.name, 0.0), entry.stat().st_mtime)
+            except OSError:
+                pass
+        if self.redis_url:
+            try:
+                for oid, when in (self._redis().hgetall(PURGE_REQUESTS_HASH) or {}).items():
+                    oid = oid.decode() if isinstance(oid, bytes) else str(oid)
+                    out[oid] = max(out.get(oid, 0.0), float(when))
+            except Exception:  # noqa: BLE001 - Redis down: the directory still answers, or later
+                pass
+        return out
+
+
+def _stored_fingerprints(disk_cache_dir: str | None, remote_cache_url: str | None, oid: str) -> set[bytes]:
+    """Model configurations (fingerprints) that hold anything of `oid` on disk or in Redis."""
+    found: set[bytes] = set()
+    if disk_cache_dir and Path(disk_cache_dir).is_dir():
+        for entry in os.scandir(disk_cache_dir):
+            if entry.is_dir() and len(entry.name) == 32:
+                try:
+                    found.add(bytes.fromhex(entry.name))
+                except ValueError:
+                    continue
+    if remote_cache_url:
+        client = PurgeRequests(redis_url=remote_cache_url)._redis()
+        for name in client.scan_iter(match=f"kvtier:*:owner:{oid}".encode(), count=1000):
+            parts = (name.decode() if isinstance(name, bytes) else name).split(":")
+            try:
+                found.add(bytes.fromhex(parts[1]))
+            except (ValueError, IndexError):
+                continue
+    return found
+
+
+def purge_stored(tenant: str | None, *, disk_cache_dir: str | None = None, remote_cache_url: str | None = None,
+                 key_dir: str | None = None, master_key_file: str | None = None,
+                 notify: bool = True) -> dict[str, Any]:
+    """Delete every stored block of `tenant` (a vLLM `cache_salt`; None: requests without one)
+    from the disk tier and Redis, for every model configuration found there, destroy its data
+    key, and post a purge request that running processes act on (their in-memory copies).
+    Returns the counts per fingerprint and where the request was posted."""
+    from kvtier.tiers.hierarchy import TierConfig, TierHierarchy, owner_id
+
+    oid = owner_id(tenant)
+    out: dict[str, Any] = {"owner_id": oid, "fingerprints": {}}
+    for fp in sorted(_stored_fingerprints(disk_cache_dir, remote_cache_url, oid)):
+        config = TierConfig(disk_cache_dir=disk_cache_dir, disk_cache_bytes=1 << 62 if disk_cache_dir else None,
+                            remote_cache_url=remote_cache_url, key_dir=key_dir, master_key_file=master_key_file)
+        tiers = TierHierarchy(config, fingerprint=fp, block_bytes=1, block_size=1)
+        try:
+            out["fingerprints"][fp.hex()] = tiers.purge_owner(tenant)
+        finally:
+            tiers.close()
+    if key_dir and not out["fingerprints"]:
+        from kvtier.tiers.crypto import KeyStore
+
+        out["key_destroyed"] = int(KeyStore(key_dir).destroy(tenant or "_default"))
+    if notify:
+        out["requested_at"] = PurgeRequests(disk_cache_dir or key_dir, remote_cache_url).post(oid)
+    return out

@@ -37,6 +37,8 @@ def _vllm_python() -> str | None:
 
 
 VLLM_PY = _vllm_python()
+if VLLM_PY is None and os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
+    raise RuntimeError("KVTIER_REQUIRE_VLLM=1 but no working vLLM environment (KVTIER_VLLM_PYTHON / .venv-vllm)")
 pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM environment (scripts/vllm-venv.sh builds "
                                                         ".venv-vllm; or set KVTIER_VLLM_PYTHON)")
 
@@ -53,6 +55,7 @@ A = _tokens(RNG, 600) + _tokens(RNG, 10)
 B = _tokens(RNG, 600) + _tokens(RNG, 10)
 OTHERS = [_tokens(RNG, 700) for _ in range(4)]
 A_HALF = A[:300] + _tokens(RNG, 40)
+C = _tokens(RNG, 600) + _tokens(RNG, 10)
 
 
 def _build_model(out: Path) -> Path:
@@ -100,26 +103,41 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     redis_proc, redis_url = start_redis(tmp)
     disk = str(tmp / "disk")
     try:
+        purge = {"salt": "tenant-p", "disk_cache_dir": disk, "remote_cache_url": redis_url, "wait_s": 1.0}
         first = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]},
-                 {"prompts": [A], "salts": ["tenant-b"]}, {"prompts": [A_HALF]}]
-        p1 = {"host_cache_bytes": "64MiB", "disk_cache_dir": disk, "remote_cache_url": redis_url}
+                 {"prompts": [A], "salts": ["tenant-b"]}, {"prompts": [A_HALF]},
+                 {"prompts": [C], "salts": ["tenant-p"]},
+                 {"prompts": [C], "salts": ["tenant-p"], "before": {"reset_prefix_cache": True}},
+                 {"prompts": [C], "salts": ["tenant-p"], "before": {"purge": purge, "reset_prefix_cache": True}}]
+        # restore_policy "always": on this tiny model recomputing is nearly free, and the cost
+        # model would (rightly) recompute; the restore path is what these runs check (p4 checks
+        # the cost model's choice)
+        p1 = {"host_cache_bytes": "64MiB", "disk_cache_dir": disk, "remote_cache_url": redis_url,
+              "purge_check_interval_s": 0.2, "restore_policy": "always"}
+        p4_phases = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]}, {"prompts": [B]}]
+        p4 = {"disk_cache_dir": str(tmp / "disk_slow"), "faults": {"disk": "latency_ms=100"},
+              "restore_policy": "cost"}
         p2_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"corrupt_dir": disk}}]
         p3_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"kill_pid": redis_proc.pid}}]
         bf16 = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]}]
         out: dict[str, dict] = {}
         with ThreadPoolExecutor(2) as pool:  # two vLLM processes at a time: start-up is mostly imports
-            jobs = {"base": pool.submit(_run, tmp, "base", _spec(model, first, None)),
+            plain = [{k: v for k, v in ph.items() if k != "before"} for ph in first]
+            jobs = {"base": pool.submit(_run, tmp, "base", _spec(model, plain, None)),
                     "p1": pool.submit(_run, tmp, "p1", _spec(model, first, p1))}
             out.update({k: f.result() for k, f in jobs.items()})
-            jobs = {"p2": pool.submit(_run, tmp, "p2", _spec(model, p2_phases, {"disk_cache_dir": disk}),
+            jobs = {"p2": pool.submit(_run, tmp, "p2", _spec(model, p2_phases, {"disk_cache_dir": disk,
+                                                                                 "restore_policy": "always"}),
                                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
                     "bf16_base": pool.submit(_run, tmp, "bf16_base", _spec(model, bf16, None, "bfloat16"))}
             out.update({k: f.result() for k, f in jobs.items()})
-            jobs = {"p3": pool.submit(_run, tmp, "p3", _spec(model, p3_phases, {"remote_cache_url": redis_url})),
+            jobs = {"p3": pool.submit(_run, tmp, "p3", _spec(model, p3_phases, {"remote_cache_url": redis_url,
+                                                                                 "restore_policy": "always"})),
                     "bf16": pool.submit(_run, tmp, "bf16", _spec(
-                        model, bf16, {"host_cache_bytes": "64MiB", "disk_cache_dir": str(tmp / "disk_bf16")},
-                        "bfloat16"))}
+                        model, bf16, {"host_cache_bytes": "64MiB", "disk_cache_dir": str(tmp / "disk_bf16"),
+                                      "restore_policy": "always"}, "bfloat16"))}
             out.update({k: f.result() for k, f in jobs.items()})
+            out["p4"] = _run(tmp, "p4", _spec(model, p4_phases, p4))
         return out
     finally:
         stop_redis(redis_proc)
@@ -166,6 +184,16 @@ def test_fresh_process_restores_from_redis_and_survives_its_death(runs):
     assert p3[1]["cached"] == [0]
 
 
+def test_cost_model_recomputes_when_the_tier_is_slower(runs):
+    """A disk made slow (100 ms a call) on a model whose prefill takes milliseconds: the first
+    revisit restores (speeds unknown yet) and teaches the scheduler how slow the disk is; the next
+    one is recomputed. Both give vLLM's tokens."""
+    base, p4 = runs["base"]["phases"], runs["p4"]["phases"]
+    assert p4[3]["cached"] == [0]
+    assert p4[2]["outputs"] == base[0]["outputs"][:1] and p4[3]["outputs"] == base[0]["outputs"][1:]
+    assert runs["p4"]["metrics"].get("vllm:kvtier_decisions_recompute", 0) >= 1, runs["p4"]["metrics"]
+
+
 def test_bfloat16_restore_matches_vllm_without_connector(runs):
     base, conn = runs["bf16_base"]["phases"], runs["bf16"]["phases"]
     for i, (a, b) in enumerate(zip(base, conn)):
@@ -173,8 +201,109 @@ def test_bfloat16_restore_matches_vllm_without_connector(runs):
     assert conn[2]["cached"] == [512]
 
 
+def test_purge_of_a_salt_reaches_every_tier_of_a_running_vllm(runs):
+    base, p1 = runs["base"]["phases"], runs["p1"]["phases"]
+    assert p1[6]["cached"] == [512], "before the purge, the tenant's prefix comes back from kvtier's tiers"
+    assert p1[7]["cached"] == [0], "after `kvtier cache purge --salt`, nothing of the tenant is restorable"
+    assert p1[5]["outputs"] == p1[6]["outputs"] == p1[7]["outputs"] == base[5]["outputs"]
+    (purge,) = runs["p1"]["purges"]
+    (counts,) = purge["fingerprints"].values()
+    assert counts["disk"] == 4 and counts["remote"] == 4 and counts["pending"] == []
+    assert "purged tenant" in runs["p1"]["log"]
+
+
 def test_connector_metrics_reach_vllm(runs):
     metrics = runs["p1"]["metrics"]
     assert metrics.get("vllm:kvtier_hit_tokens", 0) >= 512, metrics
     assert metrics.get("vllm:kvtier_host_hit_blocks", 0) >= 4, metrics
     assert metrics.get("vllm:kvtier_store_blocks", 0) >= 8, metrics
+
+
+def test_connector_configuration_errors_and_helpers():
+    proc = subprocess.run([VLLM_PY, str(RUNNER.with_name("connector_checks.py"))], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "unknown kv_connector_extra_config keys ['hots_cache']" in out["unknown_key"]
+    assert "selective" in out["selective"] and "write_through" in out["selective"]
+    assert "at least one tier" in out["no_tier"]
+    assert "host_cache_bytes" in out["bad_size"]
+    assert out["parsed"] == [8 << 30, "/tmp/x", 0.002]
+    assert "tested with vLLM 0.32.x" in out["untested_version"]
+    assert out["tested_version"] is None and out["untested_allowed"] is None
+    assert out["axis_cpu"] == 0 and out["axis_kv_first"] == 1
+    assert out["stats"] == {"hit_tokens": 384, "restore_p50_ms": 4.0, "restore_max_ms": 4.0}
+    assert out["meta"] == [2, 2, [1e9, 0.02], 3]
+
+
+def _word_tokenizer(model_dir: Path, vocab_size: int = 512) -> None:
+    """Token i is the word w{i} (0-2 special): text round-trips exactly (ANCHORS.md's recipe)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(model_dir)
+
+
+def test_openai_server_with_connector_restores_and_shows_metrics(tmp_path):
+    """vLLM's own OpenAI server with the connector: a revisit after vLLM's prefix cache was reset
+    comes back from kvtier's host tier, with the same text, and /metrics shows kvtier's counters."""
+    import socket
+    import time
+    import urllib.request
+
+    from openai import OpenAI
+
+    model = _build_model(tmp_path / "tiny")
+    _word_tokenizer(model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    conn = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"host_cache_bytes": "64MiB"}}
+    cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+           "--host", "127.0.0.1", "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK),
+           "--kv-cache-memory-bytes", str(POOL_BYTES), "--max-model-len", "1024", "--enforce-eager",
+           "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(conn)]
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    env.pop("PYTHONPATH", None)
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()[-6000:]
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vLLM server did not start"
+                time.sleep(1)
+        client = OpenAI(base_url=base + "/v1", api_key="none")
+        prompt = " ".join(f"w{t}" for t in A)
+
+        def ask():
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0,
+                                          extra_body={"cache_salt": "tenant-s", "ignore_eos": True})
+            return r.choices[0].text
+
+        first = ask()
+        req = urllib.request.Request(base + "/reset_prefix_cache", method="POST")
+        urllib.request.urlopen(req, timeout=30)
+        again = ask()
+        assert again == first
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        hits = [line for line in metrics.splitlines() if line.startswith("vllm:kvtier_hit_tokens_total")]
+        assert hits and float(hits[0].split()[-1]) >= 512, metrics[-3000:]
+        assert "vllm:kvtier_restore_seconds_bucket" in metrics
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()

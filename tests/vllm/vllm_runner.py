@@ -55,6 +55,17 @@ def main() -> None:
                         data = bytearray(open(path, "rb").read())
                         data[len(data) // 2] ^= 0xFF
                         open(path, "wb").write(bytes(data))
+        if "purge" in before:  # what `kvtier cache purge` does, from this process (the engine keeps running)
+            from kvtier.tiers.purge import purge_stored
+
+            args = dict(before["purge"])
+            wait_s = float(args.pop("wait_s", 1.0))
+            out.setdefault("purges", []).append(purge_stored(args.pop("salt"), **args))
+            time.sleep(wait_s)  # the workers poll purge requests (purge_check_interval_s)
+            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, detokenize=False),
+                         use_tqdm=False)  # one step: the scheduler learns what the workers dropped
+        if before.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                 detokenize=False)
         salts = phase.get("salts") or [None] * len(phase["prompts"])

@@ -1,0 +1,55 @@
+"""Checks of kvtier.integrations.vllm that need vLLM importable but no engine (run by
+test_connector.py under the vLLM environment's Python). Prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _error(fn, *args) -> str | None:
+    try:
+        fn(*args)
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def main() -> None:
+    import torch
+
+    from kvtier.integrations import vllm as kv
+
+    out: dict = {}
+    out["unknown_key"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "1GiB", "hots_cache": 1})
+    out["selective"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "1GiB",
+                                                          "cache_write_policy": "selective"})
+    out["no_tier"] = _error(kv.tier_config_from_extra, {})
+    out["bad_size"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "lots"})
+    config, options = kv.tier_config_from_extra({"host_cache_bytes": "8GiB", "disk_cache_dir": "/tmp/x",
+                                                 "remote_lookup_wait_ms": 2})
+    out["parsed"] = [config.host_cache_bytes, config.disk_cache_dir, options["remote_lookup_wait_s"]]
+    os.environ.pop("KVTIER_VLLM_ALLOW_UNTESTED", None)
+    out["untested_version"] = _error(kv.check_vllm_version, "0.99.1")
+    out["tested_version"] = _error(kv.check_vllm_version, "0.32.0+cpu")
+    os.environ["KVTIER_VLLM_ALLOW_UNTESTED"] = "1"
+    out["untested_allowed"] = _error(kv.check_vllm_version, "0.99.1")
+    # the CPU layout [num_blocks, kv_heads, block_size, 2 * head_size], and a [2, num_blocks, ...] one
+    out["axis_cpu"] = kv._block_axis(torch.zeros(7, 2, 16, 8), 7)
+    out["axis_kv_first"] = kv._block_axis(torch.zeros(2, 7, 16, 8), 7)
+    # stats aggregate across ranks and reduce to a summary
+    a, b = kv.KVTierStats(), kv.KVTierStats()
+    a.add("hit_tokens", 128)
+    b.add("hit_tokens", 256)
+    b.data["restore_s"].append(0.004)
+    out["stats"] = a.aggregate(b).reduce()
+    # worker metadata of two ranks: a host key counts once per rank; speeds take the slower rank
+    m1 = kv.KVTierWorkerMeta(1, [b"k" * 16], [], [], {"host": (2e9, 0.01)}, {"r": 4})
+    m2 = kv.KVTierWorkerMeta(1, [b"k" * 16], [], [], {"host": (1e9, 0.02)}, {"r": 3})
+    m = m1.aggregate(m2)
+    out["meta"] = [m.rank_reports, len(m.host_added), m.speeds["host"], m.loaded["r"]]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
