@@ -99,6 +99,8 @@ def main() -> None:
                     "natively, else float32)")
     ap.add_argument("--contended-prefixes", type=int, default=12, help="prefixes of the contended pressure run")
     ap.add_argument("--skip-contended", action="store_true")
+    ap.add_argument("--pressure-configs", default="vllm,vllm+kvtier host,vllm+kvtier disk",
+                    help="comma-separated pressure configurations to run ('' for none)")
     ap.add_argument("--skip-kvtier", action="store_true")
     ap.add_argument("--throughput-repeats", type=int, default=2,
                     help="alternating with/without runs of the throughput workload")
@@ -126,7 +128,10 @@ def main() -> None:
             text=True).stdout.strip().splitlines()[-1]
     except Exception:  # noqa: BLE001
         report["vllm_version"] = "?"
+    wanted = [c for c in args.pressure_configs.split(",") if c]
     for name, conn in configs.items():
+        if name not in wanted:
+            continue
         print(f"pressure: {name} ...", flush=True)
         report["pressure"][name] = vllm_run(args.vllm_python, model, "pressure", conn, dtype)
         report["pressure"][name]["loadavg"] = os.getloadavg()
@@ -151,7 +156,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
 
-    base = report["pressure"]["vllm"]
+    base = report["pressure"].get("vllm", {})
     print(f"\nvLLM {report['vllm_version']}, {dtype}, pool {POOL_TOKENS} tokens, 24 x 2,048-token prefixes\n")
     print("| configuration | first visit p50 | first visit p95 | revisit p50 | revisit p95 | revisit p95 vs vLLM "
           "| revisit cached tokens p50 |")
