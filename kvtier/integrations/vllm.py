@@ -70,6 +70,7 @@ except ImportError as e:  # pragma: no cover - only without vLLM
 
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.kvcache.keys import block_key, root_key
+from kvtier.tiers.disk import entry_path
 from kvtier.tiers.hierarchy import DEFAULT_OWNER, TIER_ORDER, TierConfig, TierHierarchy, owner_id
 
 if TYPE_CHECKING:
@@ -581,8 +582,7 @@ class _SchedulerSide:
         return keys[:num_blocks]
 
     def _on_disk(self, key: bytes) -> bool:
-        name = key.hex()
-        return all(os.path.exists(d / name[:2] / f"{name}.kv") for d in self.disk_dirs)
+        return all(os.path.exists(entry_path(d, key)) for d in self.disk_dirs)
 
     def _stored_locally(self, key: bytes) -> bool:
         """In every rank's host tier (the mirror) or on disk: no need to store it again."""

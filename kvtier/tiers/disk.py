@@ -90,6 +90,14 @@ def _make_private_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
+def entry_path(directory: str | os.PathLike, key: bytes) -> Path:
+    """Where the entry of `key` lives under one fingerprint's directory (root_dir/<fp hex>): the
+    layout of the module docstring, also for readers in other processes (the vLLM connector's
+    scheduler side checks entries by their files)."""
+    hx = key.hex()
+    return Path(directory) / hx[:2] / (hx + _SUFFIX)
+
+
 class DiskTier(Tier):
     def __init__(self, root_dir: str | os.PathLike, capacity_bytes: int, *, fingerprint: bytes,
                  faults: FaultConfig | None = None, fsync: bool = False,
@@ -135,8 +143,7 @@ class DiskTier(Tier):
 
     # -- paths and index ---------------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:
-        hx = key.hex()
-        return self.dir / hx[:2] / (hx + _SUFFIX)
+        return entry_path(self.dir, key)
 
     def _key_lock(self, key: bytes) -> threading.Lock:
         return self._key_locks[hash(key) % _NUM_KEY_LOCKS]
