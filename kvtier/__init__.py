@@ -11,6 +11,17 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+# libgomp reads its barrier wait policy when torch loads it: set kvtier's before anything imports
+# torch (kvtier.threads; a policy the user set wins)
+from kvtier.threads import set_wait_policy as _set_wait_policy  # noqa: E402
+
+try:
+    _set_wait_policy()
+except ValueError as _e:  # a bad KVTIER_OMP_WAIT: say so, keep libgomp's default
+    import warnings
+
+    warnings.warn(f"kvtier: {_e}; using libgomp's default wait policy", stacklevel=1)
+
 _EXPORTS = {
     "LLM": "kvtier.llm",
     "SamplingParams": "kvtier.sampling_params",

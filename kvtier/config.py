@@ -24,6 +24,11 @@ class ModelConfig:
     """Longest prompt + output; default: the model's max_position_embeddings."""
     tokenizer: str | None = None
     """Tokenizer directory; default: the model directory."""
+    cpu_threads_bind: str | None = None
+    """CPU compute threads: 'auto', 'nobind' or a CPU list such as '0-3' (default: the
+    KVTIER_CPU_THREADS_BIND environment variable, else auto; see kvtier.threads)."""
+    num_threads: int | None = None
+    """Compute threads (default: KVTIER_NUM_THREADS, else one per CPU of the compute set)."""
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,12 @@ class LLM:
                  cache_compression: str | None = None, restore_policy: str = "cost",
                  kv_key_dir: str | None = None,
                  tier_faults: dict[str, str] | None = None, kv_cache_dtype: str = "auto",
-                 kv_drift_sample_rate: float = 0.0) -> None:
+                 kv_drift_sample_rate: float = 0.0, cpu_threads_bind: str | None = None,
+                 num_threads: int | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
-                              max_model_len=max_model_len, tokenizer=tokenizer),
+                              max_model_len=max_model_len, tokenizer=tokenizer,
+                              cpu_threads_bind=cpu_threads_bind, num_threads=num_threads),
             cache=CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
                               kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                               eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from typing import Any
@@ -137,6 +138,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="do not reuse KV across requests (tiers below the device need it)")
     e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
+    e.add_argument("--cpu-threads-bind", default=None, metavar="auto|nobind|CPUS",
+                   help="CPU compute threads: auto (default; pinned, one per core, helpers off them where "
+                        "cores are spare), nobind, or a CPU list such as 0-3 (env KVTIER_CPU_THREADS_BIND)")
+    e.add_argument("--num-threads", type=_positive_int, default=None,
+                   help="CPU compute threads (default: one per CPU of the compute set; env KVTIER_NUM_THREADS)")
     e.add_argument("--kv-drift-sample-rate", type=_fraction, default=None, metavar="FRACTION",
                    help="fraction of requests re-computed with full-precision KV after they finish; mean KL "
                         "and top-1 agreement go to the kvtier:kv_drift_* metrics (default 0: off)")
@@ -170,7 +176,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
 
 ENGINE_KEYS = ("dtype", "kv_cache_dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
-               "scheduling_policy", "kv_drift_sample_rate")
+               "scheduling_policy", "kv_drift_sample_rate", "cpu_threads_bind", "num_threads")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
              "remote_ttl_s", "remote_timeout_s", "restore_policy", "cache_write_policy", "cache_compression", "tier_faults",
              "kv_key_dir")
@@ -265,15 +271,44 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
     log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
     try:
-        with LLM(args.model, **args.engine_kwargs) as llm:
-            if args.kv_master_key_file:
-                llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
-            run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants,
-                       request_log=log)
+        if args.engine_in_process:
+            with LLM(args.model, **args.engine_kwargs) as llm:
+                if args.kv_master_key_file:
+                    llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
+                return run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level,
+                                  tenants=tenants, request_log=log)
+        return _serve_engine_process(args, config, tenants, log)
     finally:
         if log is not None:
             log.close()
-    return 0
+
+
+def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
+    """The engine core in its own process (kvtier.server.engine_proc); this one serves HTTP."""
+    from pathlib import Path
+
+    from kvtier import threads
+    from kvtier.server.app import run_server, tenant_settings
+    from kvtier.server.engine_proc import EngineClient
+    from kvtier.server.tenancy import SingleTenantResolver
+
+    tokenizer = None
+    if (Path(args.model) / "tokenizer.json").is_file():
+        from kvtier.model.tokenizer import Tokenizer
+        tokenizer = Tokenizer(args.model)
+    ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
+    fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
+    client = EngineClient(args.model, args.engine_kwargs, tenant_ttls=ttls, tenant_quotas=quotas,
+                          fleet_keys=fleet, log_level=args.log_level)
+    client.start_process()
+    try:
+        # this process is the engine's helper: off its compute CPUs where there are spare ones
+        plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
+        if plan.compute_cpus and set(plan.io_cpus).isdisjoint(plan.compute_cpus):
+            os.sched_setaffinity(0, set(plan.io_cpus))
+        return run_server(client, tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log)
+    finally:
+        client.shutdown()
 
 
 def _analyze(args: argparse.Namespace) -> int:
@@ -502,6 +537,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="append one JSON line per finished request (token ids, timestamps, tenant "
                    "hash, cached tokens by tier; no text unless --request-log-text)")
     s.add_argument("--request-log-text", action="store_true", help="also log prompt and output text")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="step the engine on a thread of the server process instead of its own process "
+                        "(the default runs it in its own process, as vLLM's EngineCore)")
     s.add_argument("--ttl-sweep-interval-s", type=_positive_float, default=10.0, metavar="SECONDS",
                    help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)")
     add_engine_args(s)

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from kvtier.config import EngineConfig
+from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
@@ -61,6 +62,10 @@ class _Group:
     arrival_time: float
     seqs: list[Request] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    """Each sequence's text so far, kept only with stop strings (where it is cut at one)."""
+    detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
+    decoded: list[bool] = field(default_factory=list)
+    """Whether texts[i] is final (the sequence ended and its text was decoded)."""
     logprobs: list[list[dict[int, float]]] = field(default_factory=list)
     cum_logprobs: list[float] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
@@ -79,6 +84,16 @@ class EngineCore:
 
         self.config = config
         mc, cc = config.model, config.cache
+        self.thread_plan = None
+        """The CPU compute-thread plan in force (kvtier.threads), None on an accelerator."""
+        if runner is None and (mc.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+            from kvtier import threads
+            self.thread_plan = threads.configure(mc.cpu_threads_bind, mc.num_threads)
+        self.team = None
+        """Shrinks the compute team off CPUs other processes use (kvtier.threads.AdaptiveTeam)."""
+        if self.thread_plan is not None and len(self.thread_plan.compute_cpus) >= 2:
+            from kvtier import threads
+            self.team = threads.AdaptiveTeam(self.thread_plan)
         self.runner = runner or ModelRunner(
             mc.model, dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
             num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed,
@@ -177,6 +192,9 @@ class EngineCore:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
         group.seqs.append(req)
         group.texts.append("")
+        group.decoded.append(False)
+        group.detoks.append(IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+                            if sp.stop and self.tokenizer is not None else None)
         group.logprobs.append([])
         group.cum_logprobs.append(0.0)
         group.finish.append(None)
@@ -217,6 +235,8 @@ class EngineCore:
         if self.tiers is not None:
             self._store_blocks()  # evicted (write-back) blocks, before anything overwrites them
             self._write_loads(out)
+        if self.team is not None:
+            self.team.before_step(out.num_batched_tokens)
         t1 = time.perf_counter()
         logits = self.runner.execute(out)
         t2 = time.perf_counter()
@@ -492,8 +512,11 @@ class EngineCore:
             group.logprobs[i].append(s.top_logprobs or {})
             group.cum_logprobs[i] += s.logprob
         sp = req.sampling
-        if sp.stop and self.tokenizer is not None and group.finish[i] is None:
-            text = self.tokenizer.decode(req.output_token_ids, sp.skip_special_tokens)
+        detok = group.detoks[i]
+        if detok is not None and group.finish[i] is None:
+            # one token's worth of decoding per step (kvtier.engine.detokenizer), not the whole output
+            detok.push(req.output_token_ids[len(detok.token_ids):])
+            text = detok.text
             cut = _find_stop(text, sp.stop, tail=len(text) - len(group.texts[i]) + max(map(len, sp.stop)))
             group.texts[i] = text
             if cut is not None:
@@ -507,9 +530,13 @@ class EngineCore:
     def _output(self, group: _Group) -> RequestOutput:
         outs = []
         for i, req in enumerate(group.seqs):
+            if group.finish[i] is not None and not group.decoded[i]:
+                # decoded once, when the sequence ends (until then a streaming reader decodes the
+                # token ids incrementally: StreamText); a stop string already cut texts[i]
+                group.decoded[i] = True
+                if self.tokenizer is not None and not isinstance(group.stop_reasons[i], str):
+                    group.texts[i] = self.tokenizer.decode(req.output_token_ids, req.sampling.skip_special_tokens)
             text = group.texts[i]
-            if self.tokenizer is not None and not group.params.stop:
-                text = self.tokenizer.decode(req.output_token_ids, req.sampling.skip_special_tokens)
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=group.finish[i],
                 stop_reason=group.stop_reasons[i],

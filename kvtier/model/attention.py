@@ -146,6 +146,12 @@ FOLD_MAX_QUERY_TOKENS = 512
 longer ones repeat KV per query head instead, so that one [n, seq_len] mask serves all heads."""
 
 
+NATIVE_CHUNK_MAX_TOKENS = 8
+"""Prefill chunks over a cached prefix up to this many tokens run as rows of the native paged
+decode kernel (no gathered copy of the prefix). Measured on a 2-core Zen 4 (2,048 cached tokens,
+bf16): 4 new tokens 77 ms warm TTFT vs 84 ms through gather + SDPA, 16 new tokens 173 vs 149 ms."""
+
+
 class TorchPagedAttention(AttentionBackend):
     """Plain PyTorch paged attention over `F.scaled_dot_product_attention`; runs on any device.
 
@@ -162,6 +168,11 @@ class TorchPagedAttention(AttentionBackend):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.num_queries_per_kv = num_heads // num_kv_heads
+        self.native_chunk_max_tokens = NATIVE_CHUNK_MAX_TOKENS
+
+    @staticmethod
+    def _native_paged(device: torch.device) -> bool:
+        return device.type == "cpu" and native.paged_attention_lib() is not None
 
     # -- metadata ---------------------------------------------------------------------------
 
@@ -194,6 +205,13 @@ class TorchPagedAttention(AttentionBackend):
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
+            elif start > 0 and num_new <= self.native_chunk_max_tokens and self._native_paged(device):
+                # a short chunk over a cached prefix: each of its tokens is a decode row of the
+                # native paged kernel (keys 0 .. its own position), read straight from the pool
+                _extend_slots(slots, table, start, end, block_size)
+                decode_rows.extend(range(row, row + num_new))
+                decode_tables.extend([table] * num_new)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 _extend_slots(slots, table, start, end, block_size)
                 prefill_args.append((row, row + num_new, start, end, table))

@@ -4,7 +4,6 @@
     serving.py       OpenAI requests -> engine requests; responses and SSE chunks back
     protocol.py      request models (pydantic) and the error shape
     async_engine.py  the engine thread: owns EngineCore, steps it, hands outputs to asyncio
-    detokenizer.py   incremental detokenization for streaming
     metrics.py       Prometheus series from the engine's stats dataclasses
     tenancy.py       Tenant, resolved per request from the API key (the seam for isolation)
 

@@ -59,29 +59,45 @@ class ServerConfig:
     """Who may read /v1/models: 'public', 'api_key' or 'admin'."""
 
 
+def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], list[tuple[str, Any, Any]]]:
+    """The TTLs and host/disk quotas the tenants file sets: ([(tenant, ttl_s)], [(tenant, host, disk)])."""
+    tenants = getattr(resolver, "tenants", lambda: [])()
+    ttls = [(t.name, t.ttl_s) for t in tenants if t.ttl_s is not None]
+    quotas = [(t.name, t.host_bytes, t.disk_bytes) for t in tenants
+              if t.host_bytes is not None or t.disk_bytes is not None]
+    return ttls, quotas
+
+
 def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
               tenants: TenantResolver | None = None, request_log: Any = None) -> FastAPI:
-    """An app serving `engine` (an EngineCore, owned by the app's engine thread from startup
-    until shutdown; the caller closes it afterwards). `request_log`: a RequestLog or None."""
-    metrics = ServerMetrics(engine)
+    """An app serving `engine`: an EngineCore (owned by the app's engine thread from startup
+    until shutdown; the caller closes it afterwards), or a started EngineClient (the engine in
+    its own process, kvtier.server.engine_proc; it got the tenants' TTLs and quotas when it
+    started). `request_log`: a RequestLog or None."""
+    in_process = not getattr(engine, "is_engine_process", False)
+    metrics = ServerMetrics(engine if in_process else None)
 
     def on_finished(out: Any, itl_s: list[float]) -> None:
         metrics.observe_finished(out, itl_s)
         if request_log is not None:
             request_log.write(out, itl_s)
 
-    async_engine = AsyncEngine(engine, on_finished=on_finished)
-    serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, engine.max_model_len,
+    if in_process:
+        async_engine = AsyncEngine(engine, on_finished=on_finished)
+    else:
+        async_engine = engine
+        engine.on_finished = on_finished
+    serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, async_engine.max_model_len,
                             request_log=request_log, limits=config.limits)
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
-    ttl_tenants = [t for t in getattr(resolver, "tenants", lambda: [])() if t.ttl_s is not None]
-    for t in ttl_tenants:
-        engine.set_tenant_ttl(t.name, t.ttl_s)
-    for t in getattr(resolver, "tenants", lambda: [])():
-        if t.host_bytes is not None or t.disk_bytes is not None:
-            engine.set_tenant_quota(t.name, t.host_bytes, t.disk_bytes)
+    ttl_tenants, quotas = tenant_settings(resolver)
+    if in_process:
+        for name, ttl in ttl_tenants:
+            engine.set_tenant_ttl(name, ttl)
+        for name, host_bytes, disk_bytes in quotas:
+            engine.set_tenant_quota(name, host_bytes, disk_bytes)
 
     admin = AdminAuth(resolver, config.admin_key)
 
@@ -96,7 +112,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        sweep = ttl_tenants or getattr(engine, "tiers", None) is not None  # pending purges too
+        sweep = ttl_tenants or async_engine.has_tiers  # pending purges too
         task = asyncio.ensure_future(sweeper()) if sweep else None
         try:
             yield
@@ -143,7 +159,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         authorize(request, config.models_auth)
         return {"object": "list", "data": [{
             "id": config.served_model_name, "object": "model", "created": created,
-            "owned_by": "kvtier", "max_model_len": engine.max_model_len}]}
+            "owned_by": "kvtier", "max_model_len": async_engine.max_model_len}]}
 
     @app.get("/health")
     async def health() -> Response:
@@ -156,7 +172,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         from prometheus_client import CONTENT_TYPE_LATEST
 
         authorize(request, config.metrics_auth)
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        families = await async_engine.metric_families()  # None: read in this process at render
+        return Response(metrics.render(families), media_type=CONTENT_TYPE_LATEST)
 
     def require_admin(request: Request) -> None:
         key = api_key_from_header(request.headers.get("authorization"))
@@ -228,13 +245,8 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         credential, except on a server that has none at all (read-only; AdminAuth.open_reads)."""
         if not admin.open_reads:
             require_admin(request)
-        def check(core: Any) -> dict[str, Any]:
-            core.check_integrity()
-            return {"ok": True, "kv_cache_usage_perc": core.kv.usage,
-                    "num_free_blocks": core.kv.num_free_blocks, "num_blocks": core.kv.num_blocks,
-                    "num_unfinished": core.num_unfinished}
         try:
-            return JSONResponse(await async_engine.run_when_idle(check))
+            return JSONResponse(await async_engine.check_integrity())
         except AssertionError as e:
             body = APIError(f"integrity check failed: {e}", 500, type="integrity_error").body()
             return JSONResponse({"ok": False, **body}, 500)
@@ -316,10 +328,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def run_server(engine: Any, tokenizer: Any, config: ServerConfig, log_level: str = "info",
-               tenants: TenantResolver | None = None, request_log: Any = None) -> None:
-    """Serve until interrupted (uvicorn; one process, one engine thread)."""
+               tenants: TenantResolver | None = None, request_log: Any = None) -> int:
+    """Serve until interrupted (uvicorn). `engine`: an EngineCore (an engine thread in this
+    process) or a started EngineClient (its own process; when it dies the server shuts down).
+    Returns the exit status: 1 when the engine died."""
     import uvicorn
 
     app = build_app(engine, tokenizer, config, tenants=tenants, request_log=request_log)
-    uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    if getattr(engine, "is_engine_process", False):
+        def engine_died() -> None:  # uvicorn's graceful shutdown: the open streams were failed
+            server.should_exit = True
+        engine.on_dead = engine_died
+    server.run()
+    return 1 if getattr(engine, "error", None) is not None else 0

@@ -139,7 +139,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event-loop side
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        from kvtier import threads
+
         self._loop = loop or asyncio.get_running_loop()
+        threads.release_current_thread()  # the engine thread computes; the event loop is a helper
         self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
         self._thread.start()
 
@@ -227,6 +230,27 @@ class AsyncEngine:
             out.update(await asyncio.wrap_future(tiers.submit_admin(tier_usage)))
         return out
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def has_tiers(self) -> bool:
+        return getattr(self.engine, "tiers", None) is not None
+
+    async def check_integrity(self) -> dict[str, Any]:
+        """The engine's invariant checks once it is idle (AssertionError when one fails)."""
+        def check(core: Any) -> dict[str, Any]:
+            core.check_integrity()
+            return {"ok": True, "kv_cache_usage_perc": core.kv.usage,
+                    "num_free_blocks": core.kv.num_free_blocks, "num_blocks": core.kv.num_blocks,
+                    "num_unfinished": core.num_unfinished}
+        return await self.run_when_idle(check)
+
+    async def metric_families(self) -> None:
+        """None: the metrics collector reads this process's engine at scrape time."""
+        return None
+
     def _apply_revocations(self) -> None:
         """Fleet keys another instance destroyed: drop this instance's copies of those tenants
         (their requests are aborted, as in a purge; Redis was purged by the other instance)."""
@@ -252,7 +276,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        from kvtier import threads
+
         try:
+            threads.bind_compute_threads()  # this thread's OpenMP team on the compute CPUs
             self._serve()
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             logger.exception("the engine thread died")

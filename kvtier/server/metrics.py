@@ -155,12 +155,24 @@ def _drift_metrics(st: Any) -> Iterable[Metric]:
                                 "from full-precision KV.", buckets=buckets, sum_value=st.request_kl_sum)
 
 
+class SnapshotCollector(Collector):
+    """The engine's families as the engine process last sent them (kvtier.server.engine_proc)."""
+
+    def __init__(self) -> None:
+        self.families: list[Metric] = []
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self.families)
+
+
 class ServerMetrics:
-    """The registry of one app: the engine collector plus per-request histograms."""
+    """The registry of one app: the engine collector plus per-request histograms. `engine`: an
+    EngineCore in this process, or None when it runs in its own (then `render(families)`)."""
 
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.snapshot = SnapshotCollector() if engine is None else None
+        self.registry.register(EngineCollector(engine) if engine is not None else self.snapshot)
         r = self.registry
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                               buckets=TTFT_BUCKETS_S, registry=r)
@@ -192,7 +204,9 @@ class ServerMetrics:
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.requests.labels(reason or "abort").inc()
 
-    def render(self) -> bytes:
+    def render(self, families: list[Metric] | None = None) -> bytes:
+        if families is not None and self.snapshot is not None:
+            self.snapshot.families = families
         return generate_latest(self.registry)
 
 

@@ -25,7 +25,7 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.server import responses as R
 from kvtier.server.async_engine import (AsyncEngine, EngineDeadError, EngineStepError, RequestSpec,
                                         RequestStream)
-from kvtier.server.detokenizer import StreamText
+from kvtier.engine.detokenizer import StreamText
 from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     _SamplingFields)
 from kvtier.server.tenancy import Tenant, tenant_hash

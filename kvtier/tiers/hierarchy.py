@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.tiers.base import FaultConfig, TierError, TierStats
 from kvtier.tiers.purge import ALL, OwnerFence, PurgeLedger, unlink_remote
@@ -190,7 +191,8 @@ class TierHierarchy:
             from kvtier.tiers.crypto import KeyStore
             self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
-        self._pool = executor or ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io")
+        self._pool = executor or ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io",
+                                                   initializer=threads.on_helper_thread)
         self._admin: ThreadPoolExecutor | None = None  # purges, sweeps: off the engine thread
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # pending stores drained (flush)
@@ -565,7 +567,8 @@ class TierHierarchy:
         """Run `fn(*args)` on the admin worker (one thread: purges, sweeps, usage), never on
         the engine thread and never behind the loads and stores of the I/O pool."""
         if self._admin is None:
-            self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-admin")
+            self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-admin",
+                                             initializer=threads.on_helper_thread)
         return self._admin.submit(fn, *args)
 
     def purge_owner(self, owner: str | None) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from kvtier.model.tokenizer import Tokenizer, build_byte_tokenizer
-from kvtier.server.detokenizer import IncrementalDetokenizer, StreamText
+from kvtier.engine.detokenizer import IncrementalDetokenizer, StreamText
 
 
 @pytest.fixture(scope="module")

