@@ -86,7 +86,7 @@ def start_kvtier(model: Path, port: int, pool_blocks: int, log: Path, extra: lis
 def start_vllm(vllm_python: str, model: Path, port: int, kv_bytes: int, binding: str, log: Path) -> subprocess.Popen:
     cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--served-model-name", "ref", "--dtype", "bfloat16", "--enable-prefix-caching",
-           "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "4096", "--disable-log-requests"]
+           "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "4096"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding}
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
