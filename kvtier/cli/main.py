@@ -298,12 +298,13 @@ def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, l
         tokenizer = Tokenizer(args.model)
     ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
     fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
+    # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
+    plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
     client = EngineClient(args.model, args.engine_kwargs, tenant_ttls=ttls, tenant_quotas=quotas,
                           fleet_keys=fleet, log_level=args.log_level)
     client.start_process()
     try:
         # this process is the engine's helper: off its compute CPUs where there are spare ones
-        plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
         if plan.compute_cpus and set(plan.io_cpus).isdisjoint(plan.compute_cpus):
             os.sched_setaffinity(0, set(plan.io_cpus))
         return run_server(client, tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log)

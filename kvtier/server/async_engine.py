@@ -120,6 +120,39 @@ class _Stop:
 FinishedHook = Callable[[RequestOutput, list[float]], None]
 
 
+# ---------------------------------------------------------------- engine-side steps, shared by the
+# engine thread here and the engine process (kvtier.server.engine_proc)
+def begin_purge(core: Any, tenant: str | None, every_tenant: bool) -> tuple[list[RequestOutput], dict[str, Any], Any]:
+    """Abort the tenant's (every tenant's) requests and run the engine part of its purge: their
+    final outputs, the device counts and the future of the tier part (None without tiers)."""
+    outs = [o for o in (core.abort_all() if every_tenant else core.abort_tenant(tenant)) if o is not None]
+    counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
+    counts["aborted_requests"] = len(outs)
+    return outs, counts, future
+
+
+def drop_revoked(core: Any) -> list[RequestOutput]:
+    """Fleet keys another instance destroyed: drop this instance's copies of those tenants
+    (their requests are aborted, as in a purge; Redis was purged by the other instance).
+    Returns the aborted requests' final outputs."""
+    tiers = getattr(core, "tiers", None)
+    if tiers is None or not tiers.revoked_owners:
+        return []
+    outs: list[RequestOutput] = []
+    for tenant in tiers.take_revoked():
+        outs += [o for o in core.abort_tenant(tenant) if o is not None]
+        core.begin_purge_tenant(tenant, everywhere=False)
+        logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
+    return outs
+
+
+def integrity_report(core: Any) -> dict[str, Any]:
+    """The engine's invariant checks (AssertionError when one fails) and its pool's state."""
+    core.check_integrity()
+    return {"ok": True, "kv_cache_usage_perc": core.kv.usage, "num_free_blocks": core.kv.num_free_blocks,
+            "num_blocks": core.kv.num_blocks, "num_unfinished": core.num_unfinished}
+
+
 class AsyncEngine:
     """Owns `engine` (an EngineCore) on a background thread once `start()` is called.
 
@@ -194,10 +227,8 @@ class AsyncEngine:
         is readable or hittable in any tier once this returns, except what `pending` names
         (the remote tier was unreachable; the purge is recorded and completed later)."""
         def begin(core: Any) -> tuple[dict[str, Any], Any]:
-            outs = core.abort_all() if every_tenant else core.abort_tenant(tenant)
-            self._dispatch([o for o in outs if o is not None])
-            counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
-            counts["aborted_requests"] = len(outs)
+            outs, counts, future = begin_purge(core, tenant, every_tenant)
+            self._dispatch(outs)
             return counts, future
 
         tiers = getattr(self.engine, "tiers", None)
@@ -240,28 +271,15 @@ class AsyncEngine:
 
     async def check_integrity(self) -> dict[str, Any]:
         """The engine's invariant checks once it is idle (AssertionError when one fails)."""
-        def check(core: Any) -> dict[str, Any]:
-            core.check_integrity()
-            return {"ok": True, "kv_cache_usage_perc": core.kv.usage,
-                    "num_free_blocks": core.kv.num_free_blocks, "num_blocks": core.kv.num_blocks,
-                    "num_unfinished": core.num_unfinished}
-        return await self.run_when_idle(check)
+        return await self.run_when_idle(integrity_report)
 
     async def metric_families(self) -> None:
         """None: the metrics collector reads this process's engine at scrape time."""
         return None
 
     def _apply_revocations(self) -> None:
-        """Fleet keys another instance destroyed: drop this instance's copies of those tenants
-        (their requests are aborted, as in a purge; Redis was purged by the other instance)."""
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is None or not tiers.revoked_owners:
-            return
-        for tenant in tiers.take_revoked():
-            outs = self.engine.abort_tenant(tenant)
-            self._dispatch([o for o in outs if o is not None])
-            self.engine.begin_purge_tenant(tenant, everywhere=False)
-            logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
+        """Fleet keys another instance destroyed: `drop_revoked`, outputs to their streams."""
+        self._dispatch(drop_revoked(self.engine))
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort what is in flight and stop the thread."""

@@ -47,7 +47,8 @@ from typing import Any, Callable
 
 from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.server.async_engine import EngineDeadError, EngineStepError, RequestSpec, RequestStream
+from kvtier.server.async_engine import (EngineDeadError, EngineStepError, RequestSpec, RequestStream, begin_purge,
+                                        drop_revoked, integrity_report)
 
 logger = logging.getLogger("kvtier.server")
 
@@ -188,13 +189,7 @@ class _EngineLoop:
             self.send(["out", batch])
 
     def _apply_revocations(self) -> None:
-        tiers = self.core.tiers
-        if tiers is None or not tiers.revoked_owners:
-            return
-        for tenant in tiers.take_revoked():
-            self._dispatch(self.core.abort_tenant(tenant))
-            self.core.begin_purge_tenant(tenant, everywhere=False)
-            logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
+        self._dispatch(drop_revoked(self.core))
 
     def _handle(self, msg: list[Any]) -> bool | None:
         kind = msg[0]
@@ -262,10 +257,8 @@ class _EngineLoop:
                 tenant, every = arg
                 if tiers is not None and tiers.pending_purges():  # runs first on the admin worker
                     tiers.submit_admin(tiers.retry_pending_purges)
-                outs = core.abort_all() if every else core.abort_tenant(tenant)
+                outs, counts, future = begin_purge(core, tenant, every)
                 self._dispatch(outs)
-                counts, future = core.begin_purge_all() if every else core.begin_purge_tenant(tenant)
-                counts["aborted_requests"] = len(outs)
                 self._reply_when(call_id, future, counts, lambda c, r: {**c, **r})
             elif op == "usage":
                 out = {"device": core.device_usage(arg)}
@@ -282,11 +275,7 @@ class _EngineLoop:
                     future = tiers.submit_admin(tiers.retry_pending_purges)
                 self._reply_when(call_id, future, None, lambda v, r: None)
             elif op == "check_integrity":
-                core.check_integrity()
-                self._reply_when(call_id, None, {"ok": True, "kv_cache_usage_perc": core.kv.usage,
-                                                 "num_free_blocks": core.kv.num_free_blocks,
-                                                 "num_blocks": core.kv.num_blocks,
-                                                 "num_unfinished": core.num_unfinished})
+                self._reply_when(call_id, None, integrity_report(core))
             elif op == "metrics":
                 from kvtier.server.metrics import EngineCollector
                 self._reply_when(call_id, None, pickle.dumps(list(EngineCollector(core).collect())))
