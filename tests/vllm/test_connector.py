@@ -114,8 +114,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         # the cost model's choice)
         p1 = {"host_cache_bytes": "64MiB", "disk_cache_dir": disk, "remote_cache_url": redis_url,
               "purge_check_interval_s": 0.2, "restore_policy": "always"}
-        p4_phases = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]}, {"prompts": [B]}]
-        p4 = {"disk_cache_dir": str(tmp / "disk_slow"), "faults": {"disk": "latency_ms=100"},
+        # the slowed disk writes behind the engine: the revisits wait until every block of the
+        # first two phases is on disk (A and B: 4 full blocks each, OTHERS: 5 each)
+        slow = str(tmp / "disk_slow")
+        stored = {"wait_files": {"dir": slow, "count": 8 + 5 * len(OTHERS), "timeout_s": 120}}
+        p4_phases = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A], "before": stored}, {"prompts": [B]}]
+        p4 = {"disk_cache_dir": slow, "faults": {"disk": "latency_ms=100"},
               "restore_policy": "cost"}
         p2_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"corrupt_dir": disk}}]
         p3_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"kill_pid": redis_proc.pid}}]

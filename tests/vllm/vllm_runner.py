@@ -5,7 +5,8 @@
 spec: {"model": dir, "dtype": "float32", "kv_cache_bytes": int, "connector": {extra config} | null,
        "max_num_seqs": 8, "max_model_len": 1024, "block_size": 128,
        "phases": [{"prompts": [[ids...], ...], "max_tokens": 8, "salts": [..] | null,
-                   "before": {"kill_pid": int} | {"corrupt_dir": dir} | null}, ...]}
+                   "before": {"kill_pid": int} | {"corrupt_dir": dir} |
+                             {"wait_files": {"dir": dir, "count": n, "timeout_s": s}} | null}, ...]}
 out:  {"phases": [{"outputs": [[ids...]], "cached": [n...], "seconds": s, "ttft": [...]}], "stats": {...}}
 
 Every phase's prompts are submitted together (one generate call); greedy decoding.
@@ -26,6 +27,20 @@ def _connector_config(extra: dict):
                             kv_role="kv_both", kv_connector_extra_config=extra)
 
 
+def _count_files(directory: str) -> int:
+    return sum(name.endswith(".kv") for _, _, files in os.walk(directory) for name in files)
+
+
+def _wait_files(dir: str, count: int, timeout_s: float = 120.0) -> None:  # noqa: A002 - the spec's key
+    """Until `dir` holds `count` finished entries (*.kv; writes in flight are *.tmp). Raises after
+    `timeout_s`, so a lost write fails the run instead of hanging it."""
+    deadline = time.monotonic() + timeout_s
+    while (found := _count_files(dir)) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{dir}: {found} of {count} entries after {timeout_s} s")
+        time.sleep(0.05)
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
@@ -42,6 +57,8 @@ def main() -> None:
     out = {"phases": []}
     for phase in spec["phases"]:
         before = phase.get("before") or {}
+        if "wait_files" in before:  # the connector writes to disk asynchronously: wait for its files
+            _wait_files(**before["wait_files"])
         if "kill_pid" in before:
             os.kill(int(before["kill_pid"]), 9)
             time.sleep(0.2)
