@@ -30,7 +30,9 @@ sys.path.insert(0, str(HERE.parent))
 
 import workloads as W  # noqa: E402
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "bookkeeping"]
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "bookkeeping", "long_context",
+             "long_throughput"]
+LONG_WORKLOADS = ("long_context", "long_throughput")  # need 8,192 positions
 BLOCK_SIZE = 16
 PRESSURE_POOL_TOKENS = 21760
 
@@ -92,8 +94,15 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
         llm.check_integrity()
         return {"seconds": statistics.median(times), "ttft_s": statistics.median(ttfts), "all": times,
                 "cached_tokens": cached}
-    if workload == "throughput":
-        spec = W.throughput()
+    if workload == "long_context":
+        spec = W.long_context()
+        llm = _kvtier_llm(model_dir)
+        _timed(llm, W.tokens(99, 2048))
+        res = W.run_long_context(lambda prompt: _timed(llm, prompt)[0], spec, repeats)
+        llm.check_integrity()
+        return res
+    if workload in ("throughput", "long_throughput"):
+        spec = W.throughput() if workload == "throughput" else W.long_throughput()
         llm = _kvtier_llm(model_dir, max_num_seqs=64)
         _timed(llm, W.tokens(99, 256), max_tokens=8)
         sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -203,6 +212,8 @@ def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_py
     if engine == "vllm-cpu":
         cmd = [vllm_python, str(HERE / "vllm_worker.py"), "--model", model_dir, "--workload", workload,
                "--repeats", str(repeats), "--kv-cache-bytes", str(_vllm_kv_bytes(model_dir, workload))]
+        if workload in LONG_WORKLOADS:
+            cmd += ["--max-model-len", "8192"]
     else:
         cmd = [sys.executable, __file__, "--worker", engine, "--workload", workload, "--model", model_dir,
                "--repeats", str(repeats)]
@@ -225,7 +236,8 @@ def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
 
 
 METRICS = [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
-           ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False)]
+           ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False),
+           ("long_throughput", "tok_per_s", True)]
 
 
 def best_vllm(results: dict) -> dict:
@@ -309,7 +321,7 @@ def main() -> None:
             for eng, env in runs:
                 if eng != "kvtier" and wl == "bookkeeping":
                     continue
-                if eng == "transformers" and wl in ("warm_ttft", "pressure"):
+                if eng == "transformers" and wl in ("warm_ttft", "pressure", *LONG_WORKLOADS):
                     continue
                 with corunner.running(cores):
                     res = run_worker(eng.split("[")[0], wl, model_dir, args.repeats, args.vllm_python, env)
@@ -323,6 +335,11 @@ def main() -> None:
             cold = results.get(eng, {}).get("cold_prefill", {})
             if cold.get("seconds"):
                 cold["fraction_of_matmul_peak"] = round(cold["gflop"] / cold["seconds"] / peak, 3)
+        for per in results.values():
+            long = per.get("long_context", {})
+            if long.get("cold_s"):
+                long["cold_gflop_per_s"] = [round(prefill_gflop(model_dir, n) / s, 1)
+                                            for n, s in zip(long["lengths"], long["cold_s"])]
         report["scenarios"][scenario] = {"machine": machine, "results": results, "ratios": ratios(results)}
         record({"scenario": scenario, "ratios": report["scenarios"][scenario]["ratios"]})
     q, c = report["scenarios"].get("quiet"), report["scenarios"].get("contended")

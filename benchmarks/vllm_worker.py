@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 import workloads as W  # noqa: E402  (pure Python, no torch)
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "decode"]
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "decode", "long_context", "long_throughput"]
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -121,8 +121,12 @@ def run(args) -> dict:
             cached.append(outs[0].num_cached_tokens)
         res = {"seconds": statistics.median(times), "all": times, "prefix_tokens": n,
                "new_tokens": new, "cached_tokens": cached}
-    elif wl == "throughput":
-        spec = W.throughput()
+    elif wl == "long_context":
+        spec = W.long_context()
+        timed([W.tokens(99, 2048)], 1)  # one-time setup
+        res = W.run_long_context(lambda prompt: timed([prompt], 1)[0], spec, R)
+    elif wl in ("throughput", "long_throughput"):
+        spec = W.throughput() if wl == "throughput" else W.long_throughput()
         timed([W.tokens(99, len(spec["prompts"][0]))], 8)  # one-time setup
         runs = []
         for _ in range(R):  # distinct prompts; each repeat is a prefix-cache miss as the first

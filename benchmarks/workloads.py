@@ -7,6 +7,8 @@ Every prompt is deterministic: the same seed gives the same token ids in every p
 from __future__ import annotations
 
 import random
+import statistics
+from collections.abc import Callable
 
 VOCAB = 32000
 FIRST_TOKEN = 100  # stay clear of special ids
@@ -41,3 +43,35 @@ def pressure(num_prefixes: int = 24, prefix_len: int = 2048, new_tokens: int = 1
     return {"first": [p + s for p, s in zip(prefixes, suffix)],
             "revisit": [p + tokens(7000 + i, new_tokens) for i, p in enumerate(prefixes)],
             "max_tokens": 1}
+
+
+LONG_LENGTHS = (1024, 2048, 4096, 8186)
+"""Prompt lengths of the long-context workload (8,186 + 4 new tokens + 1 output fit a model of 8,192 positions)."""
+
+
+def long_context(lengths: tuple[int, ...] = LONG_LENGTHS, new_tokens: int = 4) -> dict:
+    """Per length: cold prefill of a fresh prompt (max_tokens=1), and warm TTFT of a cached prefix of
+    that length plus `new_tokens` (served once first). Prompts of repeat r use seeds 100 * r + i."""
+    return {"lengths": list(lengths), "new_tokens": new_tokens, "max_tokens": 1}
+
+
+def long_throughput(num_requests: int = 4, prompt_len: int = 4096, max_tokens: int = 128) -> dict:
+    """Few long prompts decoded together: output tokens / s (prefill included), as `throughput`."""
+    return throughput(num_requests, prompt_len, max_tokens)
+
+
+def run_long_context(timed: Callable[[list[int]], float], spec: dict, repeats: int) -> dict:
+    """The long-context workload through `timed(prompt) -> seconds` (one request, max_tokens=1):
+    the same prompts, in the same order, for every engine."""
+    cold_all, warm_all = [], []
+    for i, n in enumerate(spec["lengths"]):
+        cold, warm = [], []
+        for r in range(repeats):
+            cold.append(timed(tokens(100 * r + i + 1, n)))
+            prefix = tokens(100 * r + i + 50, n)
+            timed(prefix)  # warm-up: the prefix into the cache
+            warm.append(timed(prefix + tokens(100 * r + i + 75, spec["new_tokens"])))
+        cold_all.append(cold)
+        warm_all.append(warm)
+    return {"lengths": spec["lengths"], "cold_s": [statistics.median(c) for c in cold_all], "cold_all": cold_all,
+            "warm_s": [statistics.median(w) for w in warm_all], "warm_all": warm_all}

@@ -19,10 +19,16 @@ The pool is zero-initialised: padded gathers read unused slots, and masked score
 zero weight if the values they multiply are finite.
 
 Within one step, the flattened tokens of all sequences are split into
-  - "prefill" sequences (more than one query token): attended one at a time with SDPA;
-    from position 0 directly over the new k/v (is_causal) -- over the gathered, dequantized
-    blocks when the cache is quantized, so a prefix hit sees exactly what a recompute sees --
-    otherwise over the gathered blocks with a causal mask shifted by start_pos;
+  - "prefill" sequences (more than one query token), attended one at a time:
+      * bfloat16 model and pool, on CPUs with AVX512-BF16: one call of the native chunk kernel
+        (kvt_chunk_attention in csrc/paged_attention.c), causal per query token, straight from the
+        paged pool, from position 0 or over a cached prefix alike;
+      * otherwise with SDPA: from position 0 directly over the new k/v (is_causal) -- over the
+        gathered, dequantized blocks when the cache is quantized, so a prefix hit sees exactly what
+        a recompute sees; over a cached prefix, on the gathered blocks, as two flash calls (the
+        prefix, every key visible; the chunk, causal) merged by their log-sum-exps, or with one
+        causal mask shifted by start_pos where torch lacks the flash kernel that returns them;
+        chunks of up to NATIVE_CHUNK_MAX_TOKENS tokens run as rows of the decode kernel instead;
   - "decode" sequences (exactly one query token): on CPUs with AVX-512, one native kernel call
     (kvtier/model/csrc/paged_attention.c) that attends straight from the paged pool in any KV
     dtype, G query heads per KV head together, with no gathered or dequantized copy; elsewhere one
@@ -118,6 +124,10 @@ class AttentionBackend(ABC):
     directly instead of the cache where that is cheaper.
     """
 
+    def bind_pool(self, kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:  # noqa: B027
+        """Told once, when the runner allocates the pool, its storage dtype and the model's dtype,
+        so that `build_metadata` can plan for the kernels that will serve. Optional."""
+
     @abstractmethod
     def build_metadata(
         self, seqs: Sequence[ScheduledSeq], block_size: int, device: torch.device
@@ -148,8 +158,14 @@ longer ones repeat KV per query head instead, so that one [n, seq_len] mask serv
 
 NATIVE_CHUNK_MAX_TOKENS = 8
 """Prefill chunks over a cached prefix up to this many tokens run as rows of the native paged
-decode kernel (no gathered copy of the prefix). Measured on a 2-core Zen 4 (2,048 cached tokens,
-bf16): 4 new tokens 77 ms warm TTFT vs 84 ms through gather + SDPA, 16 new tokens 173 vs 149 ms."""
+decode kernel (no gathered copy of the prefix) where the chunk kernel does not serve (a float32
+or quantized pool); longer ones measured faster through gather + SDPA (docs/benchmarks.md)."""
+
+
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+"""SDPA's CPU flash kernel, which also returns the log-sum-exp of each query row's scores (what
+`_attend_split` merges two partial attentions by); None on a torch without it (then chunks over a
+cached prefix take one masked SDPA call)."""
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -169,6 +185,12 @@ class TorchPagedAttention(AttentionBackend):
         self.head_dim = head_dim
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.native_chunk_max_tokens = NATIVE_CHUNK_MAX_TOKENS
+
+    def bind_pool(self, kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
+        # the chunk kernel (bfloat16) serves every chunk, the short ones faster than decode rows do
+        chunk_kernel = kv_dtype == dtype == torch.bfloat16 and self._native_paged(device) and (
+            native.chunk_attention_lib() is not None)
+        self.native_chunk_max_tokens = 0 if chunk_kernel else NATIVE_CHUNK_MAX_TOKENS
 
     @staticmethod
     def _native_paged(device: torch.device) -> bool:
@@ -318,6 +340,9 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         num_new = p.token_end - p.token_start
         q = q[p.token_start : p.token_end]  # [n, Hq, D]
+        out = self._chunk_native(q, kv_cache, p)
+        if out is not None:
+            return out
         if p.mask is None and isinstance(kv_cache, QuantizedKVCache):
             # attend over what the cache holds (dequantized), as a later prefix hit will
             kv = gather_kv(kv_cache, p.block_ids, q.dtype)
@@ -331,11 +356,52 @@ class TorchPagedAttention(AttentionBackend):
         # gather the blocks: [2, Hkv, nb, bs, D] -> [2, Hkv, seq_len, D]
         kv = gather_kv(kv_cache, p.block_ids, q.dtype)
         kv = kv.view(2, self.num_kv_heads, -1, self.head_dim)[:, :, : p.seq_len]
+        if _FLASH_WITH_LSE is not None and q.device.type == "cpu":
+            return self._attend_split(q, kv, p.start_pos)
         if not p.folded:
             return self._attend_repeated(q, kv[0], kv[1], mask=p.mask)
         q_folded = self._fold(q)  # [Hkv, G * n, D]
         out = F.scaled_dot_product_attention(q_folded[None], kv[0][None], kv[1][None], attn_mask=p.mask)
         return self._unfold(out[0], num_new)
+
+    def _chunk_native(self, q: torch.Tensor, kv_cache: KVCache, p: PrefillSeq) -> torch.Tensor | None:
+        """The chunk's attention straight from a bfloat16 pool (kvt_chunk_attention of
+        csrc/paged_attention.c: causal per query token, no gathered copy, no mask); None where the
+        kernel does not apply (no AVX512-BF16 build, another dtype or device, a quantized cache)."""
+        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not isinstance(kv_cache, torch.Tensor):
+            return None
+        lib = native.chunk_attention_lib()
+        if lib is None or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
+            return None
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = lib.kvt_chunk_attention(
+            q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), p.block_ids.data_ptr(), p.block_ids.numel(),
+            p.start_pos, q.shape[0], self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
+            head_dim ** -0.5,
+        )
+        if rc == native.BAD_INDEX:
+            raise IndexError(f"chunk attention: a block id is outside the pool of {num_blocks} blocks")
+        return out.view(q.shape[0], -1) if rc == 0 else None
+
+    def _attend_split(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
+        """A chunk over its cached prefix without a mask: q [n, Hq, D] attends (a) over the prefix
+        kv[:, :, :start] with every key visible, GQA folded into the query axis, and (b) causally
+        over its own keys kv[:, :, start:]; the two partial softmaxes merge by their log-sum-exps,
+        out = a * w + b * (1 - w) with w = sigmoid(lse_a - lse_b). Both parts run SDPA's flash
+        kernel, which a mask over the whole context would slow down (see docs/benchmarks.md)."""
+        n = q.shape[0]
+        group = self.num_queries_per_kv
+        out_a, lse_a = _FLASH_WITH_LSE(self._fold(q)[None], kv[0, :, :start][None], kv[1, :, :start][None], 0.0,
+                                       False)  # [1, Hkv, G * n, D], [1, Hkv, G * n]
+        k_new = kv[0, :, start:].repeat_interleave(group, 0)[None]  # [1, Hq, n, D]
+        v_new = kv[1, :, start:].repeat_interleave(group, 0)[None]
+        out_b, lse_b = _FLASH_WITH_LSE(q.transpose(0, 1)[None], k_new, v_new, 0.0, True)  # [1, Hq, n, D], [1, Hq, n]
+        # folded row g * n + i of KV head h is query head h * G + g: the same [Hq, n] order as part b
+        weight = torch.sigmoid(lse_a.reshape(self.num_heads, n, 1) - lse_b.reshape(self.num_heads, n, 1))
+        out = torch.lerp(out_b[0].float(), out_a.view(self.num_heads, n, self.head_dim).float(), weight)
+        return out.to(q.dtype).transpose(0, 1).reshape(n, -1)  # [Hq, n, D] -> [n, Hq * D]
 
     def _attend_repeated(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -64,6 +64,11 @@ _SIGNATURES = {
     },
     "paged_attention": {
         "kvt_has_decode_attention": ([], _int),
+        "kvt_has_chunk_attention": ([], _int),
+        # q, out, pool, block_table, table_len, start, num_tokens, num_heads, num_kv_heads, num_blocks,
+        # block_size, dim, sm_scale
+        "kvt_chunk_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32],
+                                _int),
         # q, q_kind, out, pool, kv_kind, scales (or NULL), block_tables, max_blocks, seq_lens, batch,
         # num_heads, num_kv_heads, num_blocks, block_size, dim, sm_scale
         "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
@@ -116,6 +121,19 @@ def paged_attention_lib() -> ctypes.CDLL | None:
         return None
     lib = _load("paged_attention")
     return lib if lib is not None and _has_decode_attention(lib) else None
+
+
+def chunk_attention_lib() -> ctypes.CDLL | None:
+    """The paged chunk attention kernel (kvt_chunk_attention of csrc/paged_attention.c: many query
+    tokens of one sequence, bfloat16), or None: disabled, no working build, or a CPU without
+    AVX512-BF16."""
+    lib = paged_attention_lib()
+    return lib if lib is not None and _has_chunk_attention(lib) else None
+
+
+@functools.cache
+def _has_chunk_attention(lib: ctypes.CDLL) -> bool:
+    return bool(lib.kvt_has_chunk_attention())
 
 
 def _active(name: str) -> bool:

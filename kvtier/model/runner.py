@@ -126,6 +126,7 @@ class ModelRunner:
             dtype=self.kv_dtype,
             device=self.device,
         )
+        self.attn_backend.bind_pool(self.kv_dtype, self.dtype, self.device)
         self.kv_scales: torch.Tensor | None = None
         self.static_kv_scales = read_kv_scales(self.model_dir, arch.num_layers) if self.kv_spec.quantized else None
         if self.kv_spec.quantized:

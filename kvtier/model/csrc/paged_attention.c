@@ -232,6 +232,179 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
     return KVT_OK;
 }
 
+
+/* ---- chunk attention: many query tokens of one sequence over its paged context (bfloat16) ----
+ *
+ * Query token i of the chunk sits at position start + i and sees keys 0 .. start + i, read straight
+ * from the paged pool (no gathered copy, no mask tensor). One task per (KV head, tile of query
+ * tokens): the tile's rows (token t, query head g of the group) share each K/V chunk of 16 keys,
+ * which is transposed once into key-major bfloat16 pairs so that one vdpbf16ps per pair of dims
+ * gives a row's 16 scores; the softmax is online per row in float32, and P @ V runs as bfloat16
+ * dot products over pairs of keys (P rounded to bfloat16, as flash kernels do), accumulated in
+ * float32. Needs AVX512-BF16, a bfloat16 pool, block_size % 16 == 0 and dim % 32 == 0. */
+#if defined(__AVX512BF16__)
+#define TILE_ROWS 60 /* query rows (tokens x group) per task */
+#define RB 4         /* rows per register block */
+
+int kvt_has_chunk_attention(void) { return 1; }
+
+/* 16 rows of 16 int32 -> 16 columns (the usual unpack / shuffle ladder) */
+static inline void transpose16x16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* rows 4a .. 4a+3: u[4a + j], 128-bit lane k = column 4k + j */
+        u[4 * a + 0] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88), w0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xDD);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xDD);
+        r[j] = _mm512_shuffle_i32x4(v0, v1, 0x88);      /* column j      (128-bit lane 0) */
+        r[8 + j] = _mm512_shuffle_i32x4(v0, v1, 0xDD);  /* column 8 + j  (lane 2) */
+        r[4 + j] = _mm512_shuffle_i32x4(w0, w1, 0x88);  /* column 4 + j  (lane 1) */
+        r[12 + j] = _mm512_shuffle_i32x4(w0, w1, 0xDD); /* column 12 + j (lane 3) */
+    }
+}
+
+static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
+                       int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
+    const int64_t dim = L->dim, pairs = dim / 2, nv = dim / 16, bs = L->block_size;
+    const int64_t rows = tokens * group;
+    float m[TILE_ROWS];
+    __m512 acc[TILE_ROWS][MAX_DIM / 16], lsum[TILE_ROWS];
+    const uint32_t *qrow[TILE_ROWS];
+    int64_t limit[TILE_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r / group, g = r % group;
+        qrow[r] = (const uint32_t *)(q + ((t0 + t) * num_heads + head * group + g) * dim);
+        limit[r] = start + t0 + t + 1;
+        m[r] = -INFINITY;
+        lsum[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    const int64_t end = start + t0 + tokens; /* keys the tile's last row sees */
+    __m512i kt[MAX_DIM / 2];                 /* key-major pairs: kt[d2] lane k = (k_k[2 d2], k_k[2 d2 + 1]) */
+    __m512i vp[8][MAX_DIM / 16];             /* vp[j][c] lane d = (v_2j[16c + d], v_2j+1[16c + d]) */
+    const __m512 scale = _mm512_set1_ps(sm_scale);
+    for (int64_t c0 = 0; c0 < end; c0 += 16) {
+        const int64_t block = table[c0 / bs], slot0 = c0 % bs;
+        const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot0);
+        const uint16_t *vb = (const uint16_t *)kv_row(L, 1, head, block, slot0);
+        const int64_t live_keys = end - c0 < 16 ? end - c0 : 16; /* rows past the context are never read */
+        for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
+            __m512i r16[16];
+            for (int k = 0; k < 16; k++)
+                r16[k] = k < live_keys ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
+            transpose16x16(r16);
+            for (int d = 0; d < 16; d++) kt[s16 + d] = r16[d];
+        }
+        for (int j = 0; j < 8; j++) {
+            for (int64_t c = 0; c < nv; c++) {
+                const int64_t k0 = 2 * j, k1 = 2 * j + 1;
+                const __m512i a = k0 < live_keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + k0 * dim + 16 * c))) : _mm512_setzero_si512();
+                const __m512i b = k1 < live_keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + k1 * dim + 16 * c))) : _mm512_setzero_si512();
+                vp[j][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+            }
+        }
+        /* RB rows at a time: 2 * RB independent dot-product chains for the scores and RB * nv for
+         * P @ V (one chain would wait on vdpbf16ps latency), each K/V register reused RB times */
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
+            if (c0 >= limit[r0 + nr - 1]) continue; /* limits grow with the row: all in the future */
+            const uint32_t *qr[RB];
+            for (int rr = 0; rr < RB; rr++) qr[rr] = qrow[r0 + (rr < nr ? rr : nr - 1)];
+            __m512 sa[RB], sb[RB];
+            for (int rr = 0; rr < RB; rr++) sa[rr] = sb[rr] = _mm512_setzero_ps();
+            for (int64_t d2 = 0; d2 < pairs; d2 += 2) {
+                const __m512bh k0 = (__m512bh)kt[d2], k1 = (__m512bh)kt[d2 + 1];
+                for (int rr = 0; rr < RB; rr++) {
+                    sa[rr] = _mm512_dpbf16_ps(sa[rr], k0, (__m512bh)_mm512_set1_epi32((int)qr[rr][d2]));
+                    sb[rr] = _mm512_dpbf16_ps(sb[rr], k1, (__m512bh)_mm512_set1_epi32((int)qr[rr][d2 + 1]));
+                }
+            }
+            uint32_t pp[RB][8] __attribute__((aligned(32)));
+            int64_t pairs_live = 0;
+            for (int rr = 0; rr < RB; rr++) {
+                const int64_t r = r0 + rr;
+                if (rr >= nr || c0 >= limit[r]) { /* padding row, or a row that sees none of these keys */
+                    memset(pp[rr], 0, sizeof pp[rr]);
+                    continue;
+                }
+                const int64_t visible = limit[r] - c0 < 16 ? limit[r] - c0 : 16;
+                const __mmask16 live = (__mmask16)((1u << visible) - 1u);
+                const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(sa[rr], sb[rr]), scale);
+                const float chunk_max = _mm512_reduce_max_ps(sc);
+                if (chunk_max > m[r]) { /* the running max moved: rescale what was summed under the old */
+                    const __m512 correction = _mm512_set1_ps(expf(m[r] - chunk_max)); /* 0 at the first chunk */
+                    lsum[r] = _mm512_mul_ps(lsum[r], correction);
+                    for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], correction);
+                    m[r] = chunk_max;
+                }
+                const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
+                lsum[r] = _mm512_add_ps(lsum[r], p); /* summed across lanes once, at the end */
+                _mm256_store_si256((__m256i *)pp[rr], (__m256i)_mm512_cvtneps_pbh(p)); /* (p_2j, p_2j+1) pairs */
+                if ((visible + 1) / 2 > pairs_live) pairs_live = (visible + 1) / 2;
+            }
+            for (int64_t c = 0; c < nv; c++) {
+                __m512 a[RB];
+                for (int rr = 0; rr < RB; rr++) a[rr] = acc[r0 + (rr < nr ? rr : 0)][c];
+                for (int64_t j = 0; j < pairs_live; j++) {
+                    const __m512bh v = (__m512bh)vp[j][c];
+                    for (int rr = 0; rr < RB; rr++)
+                        a[rr] = _mm512_dpbf16_ps(a[rr], v, (__m512bh)_mm512_set1_epi32((int)pp[rr][j]));
+                }
+                for (int rr = 0; rr < nr; rr++) acc[r0 + rr][c] = a[rr];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r / group, g = r % group;
+        uint16_t *o = out + ((t0 + t) * num_heads + head * group + g) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[r]));
+        for (int64_t c = 0; c < nv; c++)
+            _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+    }
+}
+
+int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
+                        int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > TILE_ROWS ||
+        dim % 32 != 0 || dim > MAX_DIM || block_size <= 0 || block_size % 16 != 0 || start < 0 || num_tokens <= 0)
+        return KVT_UNSUPPORTED;
+    const int64_t end = start + num_tokens;
+    if (table_len * block_size < end) return KVT_BAD_INDEX;
+    for (int64_t j = 0; j < (end + block_size - 1) / block_size; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return KVT_BAD_INDEX;
+    const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2};
+    const int64_t group = num_heads / num_kv_heads, tile = TILE_ROWS / group;
+    const int64_t tiles = (num_tokens + tile - 1) / tile;
+    /* the last tiles see the most keys: hand them out first */
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
+        const int64_t i = tiles - 1 - task / num_kv_heads, head = task % num_kv_heads;
+        const int64_t t0 = i * tile, n = num_tokens - t0 < tile ? num_tokens - t0 : tile;
+        chunk_task(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
+    }
+    return KVT_OK;
+}
+#else
+int kvt_has_chunk_attention(void) { return 0; }
+int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
+                        int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
+    (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
+    (void)num_kv_heads; (void)num_blocks; (void)block_size; (void)dim; (void)sm_scale;
+    return KVT_UNSUPPORTED;
+}
+#endif
+
 #else /* no AVX-512: torch's SDPA serves */
 
 int kvt_has_decode_attention(void) { return 0; }
@@ -243,6 +416,15 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
     (void)q; (void)q_kind; (void)out; (void)pool; (void)kv_kind; (void)scales; (void)block_tables;
     (void)max_blocks; (void)seq_lens; (void)batch; (void)num_heads; (void)num_kv_heads; (void)num_blocks;
     (void)block_size; (void)dim; (void)sm_scale;
+    return KVT_UNSUPPORTED;
+}
+int kvt_has_chunk_attention(void) { return 0; }
+
+int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
+                        int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
+    (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
+    (void)num_kv_heads; (void)num_blocks; (void)block_size; (void)dim; (void)sm_scale;
     return KVT_UNSUPPORTED;
 }
 #endif

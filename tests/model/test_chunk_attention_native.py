@@ -1,0 +1,128 @@
+"""The native chunk attention (kvt_chunk_attention, kvtier/model/csrc/paged_attention.c): many query
+tokens of one sequence, each causal over its cached prefix and the chunk, straight from a bfloat16
+paged pool. Against torch's SDPA over the gathered cache in float32: every GQA group, head dim,
+block size, chunk length and prefix length it takes; tables outside the pool are errors; shapes it
+does not take fall back to SDPA. Also the torch path's split attention (prefix + causal chunk merged
+by log-sum-exp) against one masked SDPA call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier.model import attention, native
+from kvtier.model.attention import TorchPagedAttention
+from kvtier.sched.output import ScheduledSeq
+
+needs_kernel = pytest.mark.skipif(native.chunk_attention_lib() is None,
+                                  reason="no native chunk attention here (needs a C compiler and AVX512-BF16)")
+
+
+def reference(q: torch.Tensor, pool: torch.Tensor, table: list[int], start: int, group: int) -> torch.Tensor:
+    """float32 SDPA over the gathered context, causal mask shifted by start: [n, Hq * D]."""
+    n, _, dim = q.shape
+    kv_heads = pool.shape[1]
+    end = start + n
+    kv = pool.index_select(2, torch.tensor(table)).reshape(2, kv_heads, -1, dim)[:, :, :end].float()
+    k, v = kv[0].repeat_interleave(group, 0), kv[1].repeat_interleave(group, 0)
+    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask)
+    return out.transpose(0, 1).reshape(n, -1)
+
+
+def chunk(backend: TorchPagedAttention, n: int, start: int, block_size: int, dtype: torch.dtype, seed: int):
+    """A random pool, a shuffled block table, the chunk's metadata and q; the chunk's K/V written."""
+    g = torch.Generator().manual_seed(seed)
+    end = start + n
+    num_table = -(-end // block_size)
+    num_blocks = num_table + 7
+    pool = torch.randn(2, backend.num_kv_heads, num_blocks, block_size, backend.head_dim, generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g)[:num_table].tolist()
+    meta = backend.build_metadata([ScheduledSeq("r", list(range(n)), start, table, True)], block_size,
+                                  torch.device("cpu"))
+    q = torch.randn(n, backend.num_heads, backend.head_dim, generator=g).to(dtype)
+    k = torch.randn(n, backend.num_kv_heads, backend.head_dim, generator=g).to(dtype)
+    v = torch.randn(n, backend.num_kv_heads, backend.head_dim, generator=g).to(dtype)
+    backend.write_kv(k, v, pool, meta)
+    return pool, table, meta, q, k, v
+
+
+def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """P rounds to bfloat16 before P @ V and the output to bfloat16: a few bfloat16 ulps of |out| <~ 1."""
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-5, atol=2**-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,start", [(1, 0), (2, 0), (5, 3), (16, 0), (17, 16), (40, 7), (64, 333), (300, 1000),
+                                     (14, 2042)])
+def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start):
+    backend = TorchPagedAttention(12, 4, 64)
+    backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    pool, table, meta, q, k, v = chunk(backend, n, start, 16, torch.bfloat16, seed=n * 1000 + start)
+    got = backend._chunk_native(q, pool, meta.prefills[0]) if n > 1 else None
+    if n == 1:  # one token is a decode row, not a chunk
+        assert meta.decode is not None and not meta.prefills
+        return
+    assert got is not None
+    assert_bf16_close(got, reference(q, pool, table, start, 3))
+    assert_bf16_close(backend.forward(q, k, v, pool, meta), reference(q, pool, table, start, 3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16),
+                                                           (32, 8, 64, 48), (6, 2, 256, 16)])
+def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size):
+    backend = TorchPagedAttention(heads, kv_heads, dim)
+    backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    for n, start in [(3, 50), (37, 0), (70, 130)]:
+        pool, table, meta, q, _k, _v = chunk(backend, n, start, block_size, torch.bfloat16, seed=heads + n)
+        got = backend._chunk_native(q, pool, meta.prefills[0])
+        assert got is not None
+        assert_bf16_close(got, reference(q, pool, table, start, heads // kv_heads))
+
+
+@needs_kernel
+def test_short_chunks_go_to_the_chunk_kernel_on_a_bfloat16_pool_only():
+    backend = TorchPagedAttention(12, 4, 64)
+    seq = ScheduledSeq("r", [1, 2, 3, 4], 100, list(range(7)), True)
+    backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    meta = backend.build_metadata([seq], 16, torch.device("cpu"))
+    assert len(meta.prefills) == 1 and meta.decode is None
+    backend.bind_pool(torch.float32, torch.float32, torch.device("cpu"))  # float32: decode rows serve
+    meta = backend.build_metadata([seq], 16, torch.device("cpu"))
+    assert not meta.prefills and meta.decode is not None and meta.decode.token_idx.tolist() == [0, 1, 2, 3]
+
+
+@needs_kernel
+def test_shapes_it_does_not_take_fall_back_and_bad_tables_are_errors():
+    backend = TorchPagedAttention(4, 2, 48)  # dim 48: not a multiple of 32
+    pool, table, meta, q, k, v = chunk(backend, 20, 10, 16, torch.bfloat16, seed=1)
+    assert backend._chunk_native(q, pool, meta.prefills[0]) is None
+    assert_bf16_close(backend.forward(q, k, v, pool, meta), reference(q, pool, table, 10, 2))
+    backend = TorchPagedAttention(4, 2, 64)
+    pool, table, meta, q, _k, _v = chunk(backend, 20, 10, 16, torch.bfloat16, seed=2)
+    meta.prefills[0].block_ids[1] = pool.shape[2]
+    with pytest.raises(IndexError, match="outside the pool"):
+        backend._chunk_native(q, pool, meta.prefills[0])
+    f32 = TorchPagedAttention(4, 2, 64)
+    pool, _table, meta, q, _k, _v = chunk(f32, 20, 10, 16, torch.float32, seed=3)
+    assert f32._chunk_native(q, pool, meta.prefills[0]) is None  # float32 keeps torch's float32 math
+
+
+@pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with lse")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,start", [(9, 16), (100, 37), (600, 900)])
+def test_split_attention_matches_one_masked_call(dtype, n, start, monkeypatch):
+    backend = TorchPagedAttention(12, 4, 64)
+    with native.disabled("paged_attention"):
+        pool, table, meta, q, k, v = chunk(backend, n, start, 16, dtype, seed=n)
+        got = backend.forward(q, k, v, pool, meta)
+        monkeypatch.setattr(attention, "_FLASH_WITH_LSE", None)
+        want = backend.forward(q, k, v, pool, meta)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, reference(q, pool, table, start, 3), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-7)
