@@ -394,16 +394,7 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
     }
     return KVT_OK;
 }
-#else
-int kvt_has_chunk_attention(void) { return 0; }
-int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
-                        int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
-    (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
-    (void)num_kv_heads; (void)num_blocks; (void)block_size; (void)dim; (void)sm_scale;
-    return KVT_UNSUPPORTED;
-}
-#endif
+#endif /* __AVX512BF16__ */
 
 #else /* no AVX-512: torch's SDPA serves */
 
@@ -418,8 +409,10 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
     (void)block_size; (void)dim; (void)sm_scale;
     return KVT_UNSUPPORTED;
 }
-int kvt_has_chunk_attention(void) { return 0; }
+#endif
 
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__) /* no chunk kernel: SDPA serves */
+int kvt_has_chunk_attention(void) { return 0; }
 int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
                         int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
