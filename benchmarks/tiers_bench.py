@@ -1,6 +1,7 @@
 """Tier benchmarks on the reference model (2048-token prefixes); prints one JSON object.
 
     python benchmarks/tiers_bench.py [--model /tmp/kvtier-ref] [--skip-pressure] [--repeats 3]
+        [--scenarios quiet contended] [--pressure-configs host disk_only ...] [--out results.jsonl]
 
 1. TTFT of the same prefix served from device, host, disk, Redis and by recompute, with the
    restore throughput against this machine's memcpy and O_DIRECT sequential disk read bandwidth
@@ -10,6 +11,14 @@
 3. The cost model under slowed storage (fault injection): for short and long prefixes, the
    path it chose and the measured TTFT of both paths.
 Starts its own redis-server on a free loopback port (Debian's redis-server must be installed).
+
+Scenarios: *quiet*, and *contended* (benchmarks/corunner.py keeps one core busy while the engines
+run), each with the machine (matmul peak, memcpy, load) measured beside it, co-runner included.
+Every TTFT is reported with all its repeats (per tier) or its distribution over the 24 revisits
+(pressure). Writes to disk and Redis happen in the background; before a revisit the script waits
+for them (`tiers.flush()`), so that they do not share the two cores with the timed request, and
+reports that wait as `flush_s`: it is the time a write-back costs, paid off the request path.
+`--out` appends each result to a JSON-lines file as it comes (a killed run keeps what it measured).
 """
 
 from __future__ import annotations
@@ -31,9 +40,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import corunner  # noqa: E402
 import workloads as W  # noqa: E402
 from build_reference_model import ensure_reference_model  # noqa: E402
-from machine import describe, memcpy_gbps  # noqa: E402
+from machine import measure, memcpy_gbps  # noqa: E402
 
 BS = 16
 
@@ -85,6 +95,11 @@ class Redis:
                 time.sleep(0.05)
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
+    def flushall(self) -> None:
+        import redis
+
+        redis.Redis(port=self.port).flushall()
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(10)
@@ -115,13 +130,14 @@ def per_tier_ttft(model: str, redis_url: str, tmp: str, repeats: int) -> dict:
     cached: dict[str, list] = {k: [] for k in res}
     restore_s: dict[str, list] = {k: [] for k in res}
     disk_dir = os.path.join(tmp, "disk-ttft")
+    flush_s: list[float] = []
     warm = W.tokens(99, 2048)
     e = llm(model, host_cache_bytes=2 << 30, disk_cache_dir=disk_dir, remote_cache_url=redis_url)
     ttft(e, warm)
     prefixes = [W.tokens(300 + r, 2048) for r in range(repeats)]
     for r, prefix in enumerate(prefixes):
         ttft(e, prefix + W.tokens(400 + r, 16))
-        e.engine.tiers.flush()  # background writes to disk/Redis would share the 2 cores
+        flush_s.append(_timed_flush(e))  # background writes to disk/Redis would share the 2 cores
         t, c, _ = ttft(e, prefix + W.tokens(500 + r, 4))
         res["device"].append(t); cached["device"].append(c)
         e.reset_prefix_cache()
@@ -143,6 +159,8 @@ def per_tier_ttft(model: str, redis_url: str, tmp: str, repeats: int) -> dict:
     block_bytes = 2 * 12 * 4 * 64 * 2 * BS
     restored = 128 * block_bytes
     out = {f"ttft_{k}_ms": round(v * 1e3, 1) for k, v in med.items()}
+    out["ttft_all_ms"] = {k: [round(x * 1e3, 1) for x in v] for k, v in res.items()}
+    out["flush_s"] = [round(x, 3) for x in flush_s]
     out["cached_tokens_by_tier"] = {k: v[0] for k, v in cached.items()}
     out["restore_bytes"] = restored
     for k in ("host", "disk", "remote"):
@@ -159,8 +177,7 @@ def pressure(model: str, tmp: str, redis_url: str | None, **tier_kw) -> dict:
     e = llm(model, num_device_blocks=21760 // BS, **tier_kw)
     ttft(e, W.tokens(99, 2048))
     first = [ttft(e, p)[0] for p in spec["first"]]
-    if e.engine.tiers is not None:
-        e.engine.tiers.flush()
+    flush_s = _timed_flush(e) if e.engine.tiers is not None else 0.0
     revisit, by_tier = [], []
     for p in spec["revisit"]:
         t, c, _ = ttft(e, p)
@@ -174,7 +191,15 @@ def pressure(model: str, tmp: str, redis_url: str | None, **tier_kw) -> dict:
         for k, v in c.items():
             tiers_used[k] = tiers_used.get(k, 0) + v
     return {"first_p50_s": round(statistics.median(first), 3), "revisit_p50_s": round(statistics.median(revisit), 4),
-            "revisit_p95_s": round(pct(revisit, 95), 4), "revisit_tokens_by_tier": tiers_used}
+            "revisit_p95_s": round(pct(revisit, 95), 4), "revisit_min_s": round(min(revisit), 4),
+            "revisit_max_s": round(max(revisit), 4), "revisit_tokens_by_tier": tiers_used,
+            "flush_s": round(flush_s, 3), "revisit_all_s": [round(x, 4) for x in revisit]}
+
+
+def _timed_flush(e) -> float:
+    t = time.perf_counter()
+    e.engine.tiers.flush()
+    return time.perf_counter() - t
 
 
 def cost_model_check(model: str, tmp: str, fault_spec: str) -> dict:
@@ -210,6 +235,43 @@ def cost_model_check(model: str, tmp: str, fault_spec: str) -> dict:
     return out
 
 
+PRESSURE_CONFIGS = {
+    "host": dict(host_cache_bytes=8 << 30),
+    "disk_only": dict(disk_cache_dir="disk-p"),
+    "redis_only": dict(remote_cache_url=None),
+    "device_only": {},
+    "host_write_back": dict(host_cache_bytes=8 << 30, cache_write_policy="write_back"),
+    "host_selective": dict(host_cache_bytes=8 << 30, cache_write_policy="selective"),
+}
+"""Tier configurations of the pressure run (disk folders are under the run's temp folder; the
+Redis URL is the run's own server)."""
+
+
+def run_scenario(args, model: str, tmp: str, redis: Redis, record) -> dict:
+    report: dict = {}
+    if args.only in (None, "per_tier"):
+        r = per_tier_ttft(model, redis.url, tmp, args.repeats)
+        r["host_restore_fraction_of_memcpy"] = round(r["host_restore_gbps"] / args.memcpy_gbps, 2)
+        r["disk_restore_fraction_of_seq_read"] = round(r["disk_restore_gbps"] / args.disk_gbps, 2)
+        report["per_tier"] = r
+        record("per_tier", r)
+    if args.only in (None, "cost_model"):
+        report["cost_model"] = cost_model_check(model, tmp, args.cost_faults)
+        record("cost_model", report["cost_model"])
+    if not args.skip_pressure and args.only in (None, "pressure"):
+        report["pressure"] = {}
+        for name in args.pressure_configs:
+            kw = dict(PRESSURE_CONFIGS[name])
+            if "disk_cache_dir" in kw:
+                kw["disk_cache_dir"] = os.path.join(tmp, f"{kw['disk_cache_dir']}-{len(report['pressure'])}")
+            if "remote_cache_url" in kw:
+                redis.flushall()
+                kw["remote_cache_url"] = redis.url
+            report["pressure"][name] = pressure(model, tmp, None, **kw)
+            record(f"pressure_{name}", report["pressure"][name])
+    return report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="/tmp/kvtier-ref")
@@ -217,37 +279,37 @@ def main() -> None:
     ap.add_argument("--skip-pressure", action="store_true")
     ap.add_argument("--only", choices=["per_tier", "cost_model", "pressure"], default=None)
     ap.add_argument("--cost-faults", default="latency_ms=8", help="disk fault spec for the cost-model check")
+    ap.add_argument("--scenarios", nargs="+", default=["quiet"], choices=["quiet", "contended"],
+                    help="contended: benchmarks/corunner.py keeps one core busy while the engines run")
+    ap.add_argument("--pressure-configs", nargs="+", default=list(PRESSURE_CONFIGS), choices=list(PRESSURE_CONFIGS))
+    ap.add_argument("--out", default=None, help="append each result to this JSON-lines file as it comes")
     args = ap.parse_args()
     model = str(ensure_reference_model(args.model))
     tmp = tempfile.mkdtemp(prefix="kvtier-tiers-", dir=os.environ.get("KVTIER_BENCH_DIR", "/tmp"))
     redis = Redis(tmp)
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": describe()}
+    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "scenarios": {}}
     try:
-        report["machine"]["memcpy_gbps"] = round(memcpy_gbps(), 2)
-        report["machine"]["disk_seq_read_odirect_gbps"] = round(disk_read_gbps(tmp), 2)
-        if args.only in (None, "per_tier"):
-            r = per_tier_ttft(model, redis.url, tmp, args.repeats)
-            r["host_restore_fraction_of_memcpy"] = round(r["host_restore_gbps"] / report["machine"]["memcpy_gbps"], 2)
-            r["disk_restore_fraction_of_seq_read"] = round(r["disk_restore_gbps"] / report["machine"]["disk_seq_read_odirect_gbps"], 2)
-            report["per_tier"] = r
-            print(json.dumps({"per_tier": r}), file=sys.stderr, flush=True)
-        if args.only in (None, "cost_model"):
-            report["cost_model"] = cost_model_check(model, tmp, args.cost_faults)
-            print(json.dumps({"cost_model": report["cost_model"]}), file=sys.stderr, flush=True)
-        if not args.skip_pressure and args.only in (None, "pressure"):
-            p = {}
-            p["host"] = pressure(model, tmp, None, host_cache_bytes=8 << 30)
-            print(json.dumps({"pressure_host": p["host"]}), file=sys.stderr, flush=True)
-            p["disk_only"] = pressure(model, tmp, None, disk_cache_dir=os.path.join(tmp, "disk-p"))
-            print(json.dumps({"pressure_disk": p["disk_only"]}), file=sys.stderr, flush=True)
-            p["redis_only"] = pressure(model, tmp, None, remote_cache_url=redis.url)
-            print(json.dumps({"pressure_redis": p["redis_only"]}), file=sys.stderr, flush=True)
-            p["device_only"] = pressure(model, tmp, None)
-            for policy in ("write_back", "selective"):
-                p[f"host_{policy}"] = pressure(model, tmp, None, host_cache_bytes=8 << 30,
-                                               cache_write_policy=policy)
-                print(json.dumps({f"pressure_host_{policy}": p[f"host_{policy}"]}), file=sys.stderr, flush=True)
-            report["pressure"] = p
+        args.memcpy_gbps = round(memcpy_gbps(), 2)
+        args.disk_gbps = round(disk_read_gbps(tmp), 2)
+        report["disk_seq_read_odirect_gbps"] = args.disk_gbps
+        for scenario in args.scenarios:
+            cores = 1 if scenario == "contended" else 0
+
+            def record(name: str, result: dict, scenario: str = scenario) -> None:
+                line = {"scenario": scenario, "result_of": name, "result": result}
+                print(json.dumps(line), file=sys.stderr, flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(line) + "\n")
+
+            scenario_tmp = os.path.join(tmp, scenario)  # nothing stored by another scenario is found
+            os.makedirs(scenario_tmp)
+            redis.flushall()
+            with corunner.running(cores):
+                machine = measure()
+                record("machine", machine)
+                report["scenarios"][scenario] = {"machine": machine,
+                                                 **run_scenario(args, model, scenario_tmp, redis, record)}
     finally:
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)
