@@ -68,7 +68,9 @@ class PrefillSeq:
     then attention reads the new k/v)."""
     mask: torch.Tensor | None
     """Causal mask shifted by start_pos, True = visible: [G * n, seq_len] when `folded`, else
-    [n, seq_len]; None when start_pos == 0 (SDPA's is_causal does it)."""
+    [n, seq_len]. Built by the first layer that needs it (`TorchPagedAttention._causal_mask`: only
+    the masked SDPA fallback does) and shared by the others; None until then, and always when
+    start_pos == 0 (SDPA's is_causal does it)."""
     folded: bool
     """Whether the G query heads of a KV head are folded into the query axis (see
     TorchPagedAttention); only for short chunks, where the G-fold mask stays small."""
@@ -267,15 +269,19 @@ class TorchPagedAttention(AttentionBackend):
     ) -> PrefillSeq:
         num_blocks = -(-end // block_size)
         block_ids = long_tensor(table[:num_blocks], device)
-        if start == 0:
-            return PrefillSeq(token_start, token_end, start, end, block_ids, None, folded=False)
-        # query i sits at position start + i and sees keys 0 .. start + i
-        query_pos = torch.arange(start, end, device=device)
-        mask = torch.arange(end, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
-        folded = end - start <= FOLD_MAX_QUERY_TOKENS
-        if folded:
-            mask = mask.repeat(self.num_queries_per_kv, 1)  # [G * n, seq_len], row g * n + i
-        return PrefillSeq(token_start, token_end, start, end, block_ids, mask, folded)
+        folded = start > 0 and end - start <= FOLD_MAX_QUERY_TOKENS
+        return PrefillSeq(token_start, token_end, start, end, block_ids, None, folded)
+
+    def _causal_mask(self, p: PrefillSeq, device: torch.device) -> torch.Tensor:
+        """The chunk's causal mask (see PrefillSeq.mask), built once per step."""
+        if p.mask is None:
+            # query i sits at position start + i and sees keys 0 .. start + i
+            query_pos = torch.arange(p.start_pos, p.seq_len, device=device)
+            mask = torch.arange(p.seq_len, device=device)[None, :] <= query_pos[:, None]  # [n, seq_len]
+            if p.folded:
+                mask = mask.repeat(self.num_queries_per_kv, 1)  # [G * n, seq_len], row g * n + i
+            p.mask = mask
+        return p.mask
 
     def _decode_batch(
         self, rows: list[int], tables: list[list[int]], lens: list[int], block_size: int, device: torch.device
@@ -343,12 +349,12 @@ class TorchPagedAttention(AttentionBackend):
         out = self._chunk_native(q, kv_cache, p)
         if out is not None:
             return out
-        if p.mask is None and isinstance(kv_cache, QuantizedKVCache):
+        if p.start_pos == 0 and isinstance(kv_cache, QuantizedKVCache):
             # attend over what the cache holds (dequantized), as a later prefix hit will
             kv = gather_kv(kv_cache, p.block_ids, q.dtype)
             kv = kv.view(2, self.num_kv_heads, -1, self.head_dim)[:, :, : p.seq_len]
             return self._attend_repeated(q, kv[0], kv[1], mask=None)
-        if p.mask is None:
+        if p.start_pos == 0:
             # the whole context is new: attend over the new k/v, no gather, no mask
             k = k[p.token_start : p.token_end].transpose(0, 1)  # [Hkv, n, D]
             v = v[p.token_start : p.token_end].transpose(0, 1)
@@ -358,10 +364,11 @@ class TorchPagedAttention(AttentionBackend):
         kv = kv.view(2, self.num_kv_heads, -1, self.head_dim)[:, :, : p.seq_len]
         if _FLASH_WITH_LSE is not None and q.device.type == "cpu":
             return self._attend_split(q, kv, p.start_pos)
+        mask = self._causal_mask(p, q.device)
         if not p.folded:
-            return self._attend_repeated(q, kv[0], kv[1], mask=p.mask)
+            return self._attend_repeated(q, kv[0], kv[1], mask=mask)
         q_folded = self._fold(q)  # [Hkv, G * n, D]
-        out = F.scaled_dot_product_attention(q_folded[None], kv[0][None], kv[1][None], attn_mask=p.mask)
+        out = F.scaled_dot_product_attention(q_folded[None], kv[0][None], kv[1][None], attn_mask=mask)
         return self._unfold(out[0], num_new)
 
     def _chunk_native(self, q: torch.Tensor, kv_cache: KVCache, p: PrefillSeq) -> torch.Tensor | None:
