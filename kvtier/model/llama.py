@@ -12,7 +12,6 @@ larger GEMM is faster than three small ones, most of all for decode-sized T.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -21,6 +20,7 @@ from torch import nn
 
 from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
+from kvtier.model.linear import Linear, wide_rows_for
 
 
 class RMSNorm(nn.Module):
@@ -35,47 +35,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that can swap its weight for a oneDNN-packed copy (`pack`).
-
-    On CPU in bfloat16, a pre-packed weight skips the weight reorder F.linear pays on every call:
-    up to 2x faster per GEMM at decode-sized batches (a 16-sequence decode step of the reference
-    model: 1.3x), prefill unchanged, same bits out.
-    """
-
-    packed_weight: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def pack(self, *, keep_weight: bool) -> None:
-        """Pack the weight for oneDNN; drop the dense copy unless `keep_weight` (a tied weight)."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_BATCH_HINT)
-        if not keep_weight:
-            self.weight = None
-
-
-_PACK_BATCH_HINT = 16  # oneDNN picks the packed format for this many rows; any row count works
-
-
-def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether `Linear.pack` works here: CPU, bfloat16, and a oneDNN that packs bf16 on this CPU."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and _onednn_bf16_packing_works()
-
-
-@functools.cache
-def _onednn_bf16_packing_works() -> bool:
-    try:  # internal ops (used by torch.compile's CPU backend); probe instead of trusting versions
-        packed = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=torch.bfloat16), _PACK_BATCH_HINT)
-        x = torch.ones(2, 8, dtype=torch.bfloat16)
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-    except (AttributeError, RuntimeError):
-        return False
-    return bool((out == 8).all())
 
 
 class RotaryEmbedding:
@@ -228,11 +187,20 @@ class DecoderLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def pack_linears(self) -> None:
-        """Pack every projection (see `Linear.pack`); check `can_pack_linears` first."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(keep_weight=module is self.lm_head and self.tie_word_embeddings)
+    def plan_linears(self, *, pack: bool) -> int | None:
+        """Choose how the projections multiply (kvtier.model.linear): the batch size from which
+        the decoder's projections run in float32 (measured; None: never), and, if `pack` (check
+        `can_pack_linears` first), oneDNN-packed weights for the rest. The lm_head sees only
+        the sampled rows and stays on the packed path. Returns the float32 threshold."""
+        body = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
+        wide = wide_rows_for(body, self.lm_head.weight.dtype, self.lm_head.weight.device)
+        for m in body:
+            m.wide_min_rows = wide
+            if pack:
+                m.pack(keep_weight=wide is not None)
+        if pack:
+            self.lm_head.pack(keep_weight=self.tie_word_embeddings)
+        return wide
 
     def forward(
         self,

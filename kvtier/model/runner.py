@@ -32,7 +32,8 @@ from kvtier.model import native
 from kvtier.model.attention import AttentionBackend, KVCache, TorchPagedAttention, long_tensor
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
-from kvtier.model.llama import DecoderLM, can_pack_linears
+from kvtier.model.linear import can_pack_linears
+from kvtier.model.llama import DecoderLM
 from kvtier.model.loader import checkpoint_dtype, load_model, model_fingerprint, read_kv_scales
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
@@ -59,7 +60,9 @@ class ModelRunner:
         seed: seeds `self.generator`, the generator the sampler should draw from.
         attn_backend: defaults to `TorchPagedAttention`.
         pack_weights: on CPU in bfloat16, pre-pack projection weights for oneDNN
-            (same results, faster small batches).
+            (same results, faster small batches). Independently, large batches of a bfloat16
+            model on CPU may multiply in float32 where that measures faster on this CPU
+            (`fp32_gemm_min_rows`; see kvtier.model.linear).
         kv_cache_dtype: how the KV cache stores tokens: "auto" (the model dtype), "bfloat16",
             "float16", "float32", "fp8_e4m3", "fp8_e5m2" or "int8" (see kvtier.model.kv_quant).
             Quantized dtypes keep a float32 scale per (layer, K/V, KV head, block), dynamic, or
@@ -103,8 +106,8 @@ class ModelRunner:
         self.model: DecoderLM = load_model(
             self.model_dir, self.arch, self.attn_backend, dtype=self.dtype, device=self.device
         )
-        if pack_weights and can_pack_linears(self.dtype, self.device):
-            self.model.pack_linears()
+        self.fp32_gemm_min_rows = self.model.plan_linears(
+            pack=pack_weights and can_pack_linears(self.dtype, self.device))
         # the KV dtype's name: quantized and full-precision entries never share a key
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.kv_spec.name, block_size)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvtier.model import attention
-from kvtier.model.llama import can_pack_linears
+from kvtier.model.linear import can_pack_linears
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
