@@ -1,79 +1,147 @@
 """Projections of a bfloat16 model on CPU, and which GEMM each batch size runs on.
 
-A bfloat16 projection can multiply two ways on a CPU:
+A bfloat16 projection y = x W^T (+ b) can multiply several ways on a CPU, and which is fastest
+depends on the CPU and on the number of rows of x:
 
-* **packed bfloat16** (oneDNN, weight reordered once at load): bf16 dot products with float32
-  accumulation. It reads half the bytes of float32, so it wins wherever the weights' memory
-  traffic dominates: decode-sized batches, everywhere.
-* **float32 over the upcast weight**: the weight and the input are widened to float32 per call
-  and multiplied by MKL's sgemm, then the output is rounded to bfloat16. The products of bf16
-  values are exact in float32 and both paths accumulate in float32, so the two agree to the
-  rounding of the sums' order. It wins on CPUs whose bf16 dot products run no faster than
-  float32 FMAs (Intel without AMX: one vdpbf16ps port against two FMA ports) once the batch is
-  large enough that the upcast (about a millisecond per weight) is small beside the GEMM; and
-  on CPUs without AVX512-BF16, where oneDNN emulates bf16, everywhere.
+* `onednn`: oneDNN's bf16 GEMM on a weight packed once at load (bf16 dot products, float32
+  accumulation). Without packing (`pack_weights=False`), `dense`: F.linear on the plain weight.
+* `native_fma` / `native_dp`: kvtier's small-batch kernel (kvt_linear_bf16, csrc/gemm.c). It
+  reads the dense weight in place and streams it from memory at close to the machine's read
+  bandwidth, which is what a decode step needs (every weight once, a few rows of x): `native_dp`
+  multiplies with vdpbf16ps, `native_fma` widens the bf16 weights in registers and uses float32
+  FMAs (for CPUs whose FMA units outrun their bf16 dot products: Intel without AMX).
+* `fp32`: the weight and x widened to float32 per call, MKL's sgemm, the output rounded to
+  bfloat16: for large batches (prefill chunks) on CPUs whose float32 GEMM is faster than their
+  bf16 GEMM; the widening (about a millisecond per weight) is small beside the GEMM there.
 
-Which one a machine wants is a property of its CPU, not of kvtier: `measure_wide_rows` times
-both on the model's own largest projection at a few batch sizes once, when the model loads, and
-returns the smallest row count from which float32 is faster at every larger size measured (None:
-packed bf16 everywhere). `Linear.wide_min_rows` holds it; prefill chunks of that many tokens or
-more take float32, decode steps keep the packed weight. The dense weight is kept beside the
-packed one only where float32 serves some batch size.
+All of them multiply exact bf16 products and accumulate in float32, then round once, so they
+agree to the rounding of the sums' order (tests/model/test_linear_paths.py).
+
+Which one a machine wants is a property of its CPU, not of kvtier: `measure_plan` times each
+available method on the model's own largest projection at a few batch sizes, once per process
+when the model loads, and `GemmPlan` maps a row count to the fastest (a method keeps the sizes
+above it unless another is WIN_MARGIN faster there; the first size starts from the baseline,
+`onednn` or `dense`). Only the weight copies the plan uses
+are kept: the packed one for `onednn`, the dense one for the others. KVTIER_GEMM_PLAN overrides
+the measurement (e.g. `native_fma` or `1:native_fma,512:fp32`).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvtier.model import native
 
 logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 16
 """oneDNN picks the packed weight format for this many rows; any row count works."""
 
-WIDE_ROWS_ENV = "KVTIER_FP32_GEMM_MIN_ROWS"
-"""Overrides the measurement: a row count (float32 GEMM from it up), or `never`."""
+PLAN_ENV = "KVTIER_GEMM_PLAN"
+"""Overrides the measurement: `METHOD` (every batch size) or `ROWS:METHOD,ROWS:METHOD,...`."""
 
-CANDIDATE_ROWS = (16, 64, 128, 256, 512, 2048)
-"""Batch sizes the measurement times (rows of the projection's input)."""
+ONEDNN, DENSE, NATIVE_FMA, NATIVE_DP, FP32 = "onednn", "dense", "native_fma", "native_dp", "fp32"
+METHODS = (ONEDNN, DENSE, NATIVE_FMA, NATIVE_DP, FP32)
+_NATIVE_VARIANT = {NATIVE_DP: 0, NATIVE_FMA: 1}  # KVT_GEMM_DPBF16, KVT_GEMM_FMA of csrc/gemm.c
+
+CANDIDATE_ROWS = (1, 4, 16, 64, 128, 256, 512, 2048)
+"""Batch sizes the measurement times (rows of the projection's input); the last one's method serves
+every larger batch, so it is a prefill chunk's size."""
 
 WIN_MARGIN = 1.10
-"""float32 must be this much faster (median of repeats) to be chosen: a tie keeps bf16."""
+"""A size takes another method than the size below it (the baseline for the first) only when that
+one is this much faster: a near tie keeps the plan as it was, so noise does not fragment it."""
 
-CALIBRATION_FLOP_BUDGET = 1.5e9
-"""Most FLOPs one timed GEMM may cost: a large model's projection is cut to fewer output rows
-(GEMM speed per FLOP does not depend on N at these sizes), so the measurement stays well under
-a second however large the model."""
+CALIBRATION_FLOP_BUDGET = 0.6e9
+CALIBRATION_WEIGHT_ELEMENTS = 1 << 21
+CALIBRATION_MIN_COLUMNS = 1024
+"""Most FLOPs one timed GEMM may cost, and most weight elements it may read: a large projection
+is cut to fewer output rows (the speed per FLOP and per weight byte does not depend on N at
+these sizes), so the measurement takes about a second however large the model. Never below
+CALIBRATION_MIN_COLUMNS rows (or the projection's own), where the per-call widening of x would
+weigh more in the float32 path than in any real projection."""
+
+
+@dataclass(frozen=True)
+class GemmPlan:
+    """Which method multiplies a batch of a given number of rows: `steps[i] = (from_rows, method)`,
+    ascending, the first from 1 row."""
+
+    steps: tuple[tuple[int, str], ...]
+
+    def __post_init__(self) -> None:
+        rows = [r for r, _ in self.steps]
+        if not self.steps or rows[0] != 1 or rows != sorted(set(rows)):
+            raise ValueError(f"a GEMM plan starts at 1 row and ascends: {self.steps}")
+        bad = [m for _, m in self.steps if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown GEMM method(s) {bad}; use {', '.join(METHODS)}")
+        object.__setattr__(self, "_starts", rows)
+
+    def method(self, rows: int) -> str:
+        return self.steps[bisect.bisect_right(self._starts, rows) - 1][1]
+
+    @property
+    def methods(self) -> set[str]:
+        return {m for _, m in self.steps}
+
+    @property
+    def needs_dense(self) -> bool:
+        """Whether a method of the plan reads the dense weight (all but `onednn`)."""
+        return bool(self.methods - {ONEDNN})
+
+    def describe(self) -> str:
+        return ",".join(f"{r}:{m}" for r, m in self.steps)
+
+    @classmethod
+    def parse(cls, text: str) -> GemmPlan:
+        """`METHOD` or `ROWS:METHOD,...` (see PLAN_ENV)."""
+        text = text.strip().lower()
+        if ":" not in text:
+            return cls(((1, text),))
+        steps = []
+        for part in text.split(","):
+            rows, _, method = part.partition(":")
+            try:
+                steps.append((int(rows), method.strip()))
+            except ValueError:
+                raise ValueError(f"{PLAN_ENV}={text!r}: expected ROWS:METHOD entries") from None
+        return cls(tuple(steps))
 
 
 class Linear(nn.Linear):
-    """nn.Linear with two faster CPU paths for bfloat16 (see the module docstring).
-
-    `packed_weight`: a oneDNN-packed copy of the weight (`pack`); skips the weight reorder
-    F.linear pays on every call, up to 2x faster per GEMM at decode-sized batches, same bits out.
-    `wide_min_rows`: from this many input rows up, the product runs in float32 over the upcast
-    dense weight and is rounded back to the input's dtype.
-    """
+    """nn.Linear with the CPU methods of the module docstring, chosen per call by `plan` (None:
+    the packed weight if there is one, else F.linear)."""
 
     packed_weight: torch.Tensor | None = None
-    wide_min_rows: int | None = None
+    plan: GemmPlan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide_min_rows is not None and x.shape[0] >= self.wide_min_rows:
-            return linear_fp32(x, self.weight, self.bias)
+        if self.plan is not None:
+            method = self.plan.method(x.shape[0])
+            if method == FP32:
+                return linear_fp32(x, self.weight, self.bias)
+            if method in _NATIVE_VARIANT:
+                out = linear_native(x, self.weight, self.bias, _NATIVE_VARIANT[method])
+                if out is not None:
+                    return out
         if self.packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack(self, *, keep_weight: bool) -> None:
         """Pack the weight for oneDNN; drop the dense copy unless `keep_weight` (a tied weight, or
-        a weight the float32 path reads)."""
+        one another method of the plan reads)."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
         if not keep_weight:
             self.weight = None
@@ -83,6 +151,22 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x @ weight.T + bias computed in float32, rounded to x's dtype."""
     out = F.linear(x.float(), weight.float(), bias.float() if bias is not None else None)
     return out.to(x.dtype)
+
+
+def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  variant: int) -> torch.Tensor | None:
+    """kvt_linear_bf16 (csrc/gemm.c) on 2-D bf16 x with unit column stride; None where it does not
+    apply (no kernel here, another dtype or layout, K % 32 or N % 4 not 0)."""
+    lib = native.linear_lib()
+    if (lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
+            or x.stride(1) != 1 or not weight.is_contiguous() or x.device.type != "cpu"):
+        return None
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((rows, n), dtype=torch.bfloat16)
+    rc = lib.kvt_linear_bf16(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k,
+                             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, variant)
+    return out if rc == 0 else None
 
 
 def can_pack_linears(dtype: torch.dtype, device: torch.device) -> bool:
@@ -101,85 +185,100 @@ def _onednn_bf16_packing_works() -> bool:
     return bool((out == 8).all())
 
 
-def wide_rows_override(environ: dict[str, str] | None = None) -> tuple[bool, int | None]:
-    """(set, value) of KVTIER_FP32_GEMM_MIN_ROWS: `never` -> (True, None), a count -> (True, n)."""
-    raw = (os.environ if environ is None else environ).get(WIDE_ROWS_ENV, "").strip().lower()
+def plan_override(environ: dict[str, str] | None = None) -> GemmPlan | None:
+    """The plan KVTIER_GEMM_PLAN gives, or None when it is unset."""
+    raw = (os.environ if environ is None else environ).get(PLAN_ENV, "").strip()
     if not raw:
-        return False, None
-    if raw in ("never", "off", "none"):
-        return True, None
+        return None
     try:
-        rows = int(raw)
-    except ValueError:
-        raise ValueError(f"{WIDE_ROWS_ENV}={raw!r}: expected a row count or 'never'") from None
-    if rows < 1:
-        raise ValueError(f"{WIDE_ROWS_ENV}={raw!r}: the row count must be at least 1")
-    return True, rows
+        return GemmPlan.parse(raw)
+    except ValueError as e:
+        raise ValueError(f"{PLAN_ENV}={raw!r}: {e}") from None
 
 
-def measure_wide_rows(in_features: int, out_features: int, *, repeats: int = 3,
-                      clock=time.perf_counter) -> tuple[int | None, dict[int, tuple[float, float]]]:
-    """Time packed bf16 against float32-over-the-upcast-weight on a [out_features, in_features]
-    projection at each of CANDIDATE_ROWS; returns (the smallest row count from which float32 wins
-    by WIN_MARGIN at every larger size measured, or None; {rows: (bf16 s, fp32 s)} per FLOP-capped
-    GEMM). Repeats are interleaved, medians compared, so a burst of load hits both paths alike."""
-    timings: dict[int, tuple[float, float]] = {}
+def available_methods(*, packed: bool) -> list[str]:
+    """Methods this process can run for bf16 on CPU; the baseline (`onednn` if `packed`, else
+    `dense`) first."""
+    methods = [ONEDNN if packed else DENSE]
+    if native.linear_lib() is not None:
+        methods += [NATIVE_FMA, NATIVE_DP]
+    return methods + [FP32]
+
+
+def measure_plan(in_features: int, out_features: int, methods: list[str], *, repeats: int = 5,
+                 clock: Callable[[], float] = time.perf_counter) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
+    """Time `methods` (the baseline first) on a [out_features, in_features] bf16 projection at each
+    of CANDIDATE_ROWS; returns the plan (`choose_plan`) and the least seconds of the repeats per method and size. Repeats are
+    interleaved, so a burst of load hits every method alike, and the minimum is what the method
+    costs when nothing interferes."""
+    timings: dict[int, dict[str, float]] = {}
     gen = torch.Generator().manual_seed(0)
     for rows in CANDIDATE_ROWS:
-        n = max(16, min(out_features, int(CALIBRATION_FLOP_BUDGET / (2 * rows * in_features))))
-        weight = (torch.randn(n, in_features, generator=gen) * 0.02).to(torch.bfloat16)
+        n = min(out_features, max(CALIBRATION_MIN_COLUMNS, min(int(CALIBRATION_FLOP_BUDGET / (2 * rows * in_features)),
+                                                               CALIBRATION_WEIGHT_ELEMENTS // in_features)))
+        n -= n % 4
+        layer = Linear(in_features, n, bias=False, dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, in_features, generator=gen) * 0.02)
         x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-
-        def bf16(x=x, packed=packed) -> None:
-            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
-        def fp32(x=x, weight=weight) -> None:
-            linear_fp32(x, weight, None)
-
-        bf16(), fp32()  # first calls pay one-time setup
-        a, b = [], []
-        for _ in range(repeats):
-            for fn, into in ((bf16, a), (fp32, b)):
+        if ONEDNN in methods:
+            layer.pack(keep_weight=True)
+        runs: dict[str, list[float]] = {m: [] for m in methods}
+        for method in methods:  # first calls pay one-time setup
+            layer.plan = GemmPlan(((1, method),))
+            layer(x)
+        for _ in range(repeats if rows * n * in_features <= CALIBRATION_FLOP_BUDGET else 3):
+            for method in methods:
+                layer.plan = GemmPlan(((1, method),))
                 t = clock()
-                fn()
-                into.append(clock() - t)
-        timings[rows] = (sorted(a)[len(a) // 2], sorted(b)[len(b) // 2])
-    return choose_wide_rows(timings), timings
+                layer(x)
+                runs[method].append(clock() - t)
+        timings[rows] = {m: min(ts) for m, ts in runs.items()}
+    return choose_plan(timings, methods[0]), timings
 
 
-def choose_wide_rows(timings: dict[int, tuple[float, float]], margin: float = WIN_MARGIN) -> int | None:
-    """The smallest measured row count from which float32 beats bf16 by `margin` at it and at
-    every larger measured count; None where the largest does not."""
-    chosen = None
-    for rows in sorted(timings, reverse=True):
-        t_bf16, t_fp32 = timings[rows]
-        if t_fp32 * margin > t_bf16:
-            break
-        chosen = rows
-    return chosen
+def choose_plan(timings: dict[int, dict[str, float]], baseline: str, margin: float = WIN_MARGIN) -> GemmPlan:
+    """Per measured size the fastest method, where it beats the method of the size below (the
+    baseline for the first) by `margin`, else that one; merged into steps, a size's method
+    serving up to the next measured size."""
+    steps: list[tuple[int, str]] = []
+    current = baseline
+    for i, rows in enumerate(sorted(timings)):
+        t = timings[rows]
+        best = min(t, key=t.get)
+        if t[best] * margin <= t[current]:
+            current = best
+        if not steps or steps[-1][1] != current:
+            steps.append((1 if i == 0 else rows, current))
+    return GemmPlan(tuple(steps))
 
 
 @torch.inference_mode()
-def wide_rows_for(linears: list[Linear], dtype: torch.dtype, device: torch.device) -> int | None:
-    """The `wide_min_rows` for these projections: from KVTIER_FP32_GEMM_MIN_ROWS, else measured on
-    the largest of them (once per shape and process); None off CPU or outside bfloat16."""
-    if not linears or device.type != "cpu" or dtype != torch.bfloat16 or not _onednn_bf16_packing_works():
+def plan_for(linears: list[Linear], dtype: torch.dtype, device: torch.device, *, packed: bool) -> GemmPlan | None:
+    """The GEMM plan for these projections: KVTIER_GEMM_PLAN, else measured on the largest of them
+    (once per shape and process; pass the decoder's projections, whose shapes the time goes to,
+    and apply the plan to the lm_head too); None off CPU or outside bfloat16."""
+    if not linears or device.type != "cpu" or dtype != torch.bfloat16:
         return None
-    given, wide = wide_rows_override()
-    if given:
-        return wide
+    plan = plan_override()
+    if plan is not None:
+        if ONEDNN in plan.methods and not packed:
+            raise ValueError(f"{PLAN_ENV}={plan.describe()}: onednn needs packed weights (pack_weights=True "
+                             f"and a oneDNN that packs bfloat16 here)")
+        return plan
     biggest = max(linears, key=lambda m: m.in_features * m.out_features)
-    wide, timings = _measure_cached(biggest.in_features, biggest.out_features)
-    logger.info("bfloat16 projections multiply in float32 from %s rows (median s per GEMM, bf16 vs fp32: %s)",
-                wide, {r: (round(a, 5), round(b, 5)) for r, (a, b) in timings.items()})
-    if wide is not None and wide <= CANDIDATE_ROWS[0]:
-        logger.warning("bfloat16 matmuls on this CPU are slower than float32 even for small batches "
+    plan, timings = _measure_cached(biggest.in_features, biggest.out_features, tuple(available_methods(packed=packed)))
+    logger.info("bfloat16 projections: GEMM plan %s (least ms per GEMM by rows: %s)", plan.describe(),
+                {r: {m: round(s * 1e3, 3) for m, s in t.items()} for r, t in timings.items()})
+    if plan.method(1) == FP32:
+        logger.warning("bfloat16 matmuls on this CPU are slower than float32 even for single rows "
                        "(no fast bf16 dot products): --dtype float32 will likely run faster")
-    return wide
+    return plan
 
 
 @functools.cache
-def _measure_cached(in_features: int, out_features: int) -> tuple[int | None, dict[int, tuple[float, float]]]:
+def _measure_cached(in_features: int, out_features: int,
+                    methods: tuple[str, ...]) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
     """One measurement per projection shape and process (tests build many runners of one model)."""
-    return measure_wide_rows(in_features, out_features)
+    return measure_plan(in_features, out_features, list(methods))
+

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
-from kvtier.model.linear import Linear, wide_rows_for
+from kvtier.model.linear import ONEDNN, GemmPlan, Linear, plan_for
 
 
 class RMSNorm(nn.Module):
@@ -187,20 +187,20 @@ class DecoderLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def plan_linears(self, *, pack: bool) -> int | None:
-        """Choose how the projections multiply (kvtier.model.linear): the batch size from which
-        the decoder's projections run in float32 (measured; None: never), and, if `pack` (check
-        `can_pack_linears` first), oneDNN-packed weights for the rest. The lm_head sees only
-        the sampled rows and stays on the packed path. Returns the float32 threshold."""
-        body = [m for m in self.modules() if isinstance(m, Linear) and m is not self.lm_head]
-        wide = wide_rows_for(body, self.lm_head.weight.dtype, self.lm_head.weight.device)
-        for m in body:
-            m.wide_min_rows = wide
-            if pack:
-                m.pack(keep_weight=wide is not None)
-        if pack:
-            self.lm_head.pack(keep_weight=self.tie_word_embeddings)
-        return wide
+    def plan_linears(self, *, pack: bool) -> GemmPlan | None:
+        """Choose how the projections multiply (kvtier.model.linear): a GEMM plan measured once
+        on this CPU (None outside bfloat16 on CPU), and, if `pack` (check `can_pack_linears`
+        first) and the plan uses oneDNN, packed weights. A layer keeps its dense weight where
+        the plan reads it (and the lm_head where it is tied to the embeddings). Returns the plan."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        body = [m for m in linears if m is not self.lm_head]
+        plan = plan_for(body, self.embed_tokens.weight.dtype, self.embed_tokens.weight.device, packed=pack)
+        for m in linears:
+            m.plan = plan
+            if pack and (plan is None or ONEDNN in plan.methods):
+                tied = m is self.lm_head and self.tie_word_embeddings
+                m.pack(keep_weight=tied or (plan is not None and plan.needs_dense))
+        return plan
 
     def forward(
         self,

@@ -2,6 +2,7 @@
 
     lib = native.kv_quant_lib()          # a ctypes.CDLL, or None: then callers run their torch ops
     lib = native.paged_attention_lib()
+    lib = native.linear_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
 `$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
@@ -74,6 +75,11 @@ _SIGNATURES = {
         "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                   _i64, _i64, _f32], _int),
     },
+    "gemm": {
+        "kvt_has_linear_bf16": ([], _int),
+        # x, M, ldx, w, N, K, bias (or NULL), out, ldo, variant (GEMM_DPBF16 / GEMM_FMA)
+        "kvt_linear_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
+    },
 }
 ABI_VERSION = 1
 
@@ -94,7 +100,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def disabled(*names: str) -> Iterator[None]:
     """Run the enclosed code on the torch ops (for comparisons and experiments): every native
-    library, or only those named ("kv_quant", "paged_attention")."""
+    library, or only those named ("kv_quant", "paged_attention", "gemm")."""
     global _enabled
     before = _enabled, set(_disabled_libs)
     if names:
@@ -129,6 +135,20 @@ def chunk_attention_lib() -> ctypes.CDLL | None:
     AVX512-BF16."""
     lib = paged_attention_lib()
     return lib if lib is not None and _has_chunk_attention(lib) else None
+
+
+def linear_lib() -> ctypes.CDLL | None:
+    """The small-batch bfloat16 projection kernel (kvt_linear_bf16 of csrc/gemm.c), or None:
+    disabled, no working build, or a CPU without AVX512-BF16."""
+    if not _active("gemm"):
+        return None
+    lib = _load("gemm")
+    return lib if lib is not None and _has_linear(lib) else None
+
+
+@functools.cache
+def _has_linear(lib: ctypes.CDLL) -> bool:
+    return bool(lib.kvt_has_linear_bf16())
 
 
 @functools.cache

@@ -60,9 +60,9 @@ class ModelRunner:
         seed: seeds `self.generator`, the generator the sampler should draw from.
         attn_backend: defaults to `TorchPagedAttention`.
         pack_weights: on CPU in bfloat16, pre-pack projection weights for oneDNN
-            (same results, faster small batches). Independently, large batches of a bfloat16
-            model on CPU may multiply in float32 where that measures faster on this CPU
-            (`fp32_gemm_min_rows`; see kvtier.model.linear).
+            (same results, faster small batches), where the GEMM plan measured at load uses
+            oneDNN at all (`gemm_plan`: which method serves each batch size of a bfloat16 model
+            on CPU; see kvtier.model.linear).
         kv_cache_dtype: how the KV cache stores tokens: "auto" (the model dtype), "bfloat16",
             "float16", "float32", "fp8_e4m3", "fp8_e5m2" or "int8" (see kvtier.model.kv_quant).
             Quantized dtypes keep a float32 scale per (layer, K/V, KV head, block), dynamic, or
@@ -106,8 +106,7 @@ class ModelRunner:
         self.model: DecoderLM = load_model(
             self.model_dir, self.arch, self.attn_backend, dtype=self.dtype, device=self.device
         )
-        self.fp32_gemm_min_rows = self.model.plan_linears(
-            pack=pack_weights and can_pack_linears(self.dtype, self.device))
+        self.gemm_plan = self.model.plan_linears(pack=pack_weights and can_pack_linears(self.dtype, self.device))
         # the KV dtype's name: quantized and full-precision entries never share a key
         self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.kv_spec.name, block_size)
 

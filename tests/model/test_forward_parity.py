@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.model import attention
+from kvtier.model import attention, linear
 from kvtier.model.linear import can_pack_linears
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
@@ -184,11 +184,13 @@ def test_bfloat16_prefill_and_decode_stay_close_to_float32(family, tiny_model_di
         assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-def test_packed_projection_weights_give_identical_bf16_logits(tiny_model_dirs):
+def test_packed_projection_weights_give_identical_bf16_logits(tiny_model_dirs, monkeypatch):
     model_dir = tiny_model_dirs["qwen2"]  # has q/k/v biases
     if not can_pack_linears(torch.bfloat16, torch.device("cpu")):
         pytest.skip("oneDNN weight packing is not available in this torch build")
+    monkeypatch.setenv(linear.PLAN_ENV, "onednn")  # not the measured plan: oneDNN at every size
     packed = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8)
+    monkeypatch.setenv(linear.PLAN_ENV, "dense")
     plain = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8,
                         pack_weights=False)
     assert packed.model.layers[0].self_attn.qkv_proj.packed_weight is not None
