@@ -30,8 +30,8 @@ sys.path.insert(0, str(HERE.parent))
 
 import workloads as W  # noqa: E402
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "bookkeeping", "long_context",
-             "long_throughput"]
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "throughput_32x512", "throughput_64x512", "pressure",
+             "bookkeeping", "long_context", "long_throughput"]
 LONG_WORKLOADS = ("long_context", "long_throughput")  # need 8,192 positions
 BLOCK_SIZE = 16
 PRESSURE_POOL_TOKENS = 21760
@@ -101,8 +101,8 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
         res = W.run_long_context(lambda prompt: _timed(llm, prompt)[0], spec, repeats)
         llm.check_integrity()
         return res
-    if workload in ("throughput", "long_throughput"):
-        spec = W.throughput() if workload == "throughput" else W.long_throughput()
+    if workload in W.THROUGHPUT_WORKLOADS:
+        spec = W.throughput_spec(workload)
         llm = _kvtier_llm(model_dir, max_num_seqs=64)
         _timed(llm, W.tokens(99, 256), max_tokens=8)
         sp = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -236,7 +236,8 @@ def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
 
 
 METRICS = [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
-           ("throughput", "tok_per_s", True), ("pressure", "revisit_p95_s", False),
+           ("throughput", "tok_per_s", True), ("throughput_32x512", "tok_per_s", True),
+           ("throughput_64x512", "tok_per_s", True), ("pressure", "revisit_p95_s", False),
            ("long_throughput", "tok_per_s", True)]
 
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(HERE))
 
 import workloads as W  # noqa: E402  (pure Python, no torch)
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "pressure", "decode", "long_context", "long_throughput"]
+WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "throughput_32x512", "throughput_64x512", "pressure", "decode",
+             "long_context", "long_throughput"]
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -125,8 +126,8 @@ def run(args) -> dict:
         spec = W.long_context()
         timed([W.tokens(99, 2048)], 1)  # one-time setup
         res = W.run_long_context(lambda prompt: timed([prompt], 1)[0], spec, R)
-    elif wl in ("throughput", "long_throughput"):
-        spec = W.throughput() if wl == "throughput" else W.long_throughput()
+    elif wl in W.THROUGHPUT_WORKLOADS:
+        spec = W.throughput_spec(wl)
         timed([W.tokens(99, len(spec["prompts"][0]))], 8)  # one-time setup
         runs = []
         for _ in range(R):  # distinct prompts; each repeat is a prefix-cache miss as the first

@@ -60,6 +60,20 @@ def long_throughput(num_requests: int = 4, prompt_len: int = 4096, max_tokens: i
     return throughput(num_requests, prompt_len, max_tokens)
 
 
+THROUGHPUT_WORKLOADS = {
+    "throughput": (16, 256, 128),
+    "throughput_32x512": (32, 512, 256),
+    "throughput_64x512": (64, 512, 256),
+    "long_throughput": (4, 4096, 128),
+}
+"""Throughput workloads by name: (requests, prompt tokens, output tokens)."""
+
+
+def throughput_spec(name: str) -> dict:
+    """The named throughput workload (THROUGHPUT_WORKLOADS)."""
+    return throughput(*THROUGHPUT_WORKLOADS[name])
+
+
 def run_long_context(timed: Callable[[list[int]], float], spec: dict, repeats: int) -> dict:
     """The long-context workload through `timed(prompt) -> seconds` (one request, max_tokens=1):
     the same prompts, in the same order, for every engine."""
