@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
+from kvtier.model import layer_ops
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.linear import ONEDNN, GemmPlan, Linear, plan_for
 
@@ -35,6 +36,17 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x), or (norm(x), x) without a residual: the residual
+        stream carried beside the layers' outputs, as vLLM's layers do, so that the add fuses
+        into the norm (one native pass for bfloat16 on CPU, csrc/layer_ops.c, which updates
+        `residual` in place). Same sums as HF's `h = residual + h`."""
+        normed = layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if normed is not None:
+            return normed, x if residual is None else residual
+        residual = x if residual is None else residual + x
+        return self(residual), residual
 
 
 class RotaryEmbedding:
@@ -77,7 +89,10 @@ def _llama3_inv_freq(
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D], cos/sin [T, 1, D/2] -> x * cos + rotate_half(x) * sin (same rounding as HF)."""
+    """x [T, H, D], cos/sin [T, 1, D/2] -> x * cos + rotate_half(x) * sin (same rounding as HF);
+    in place by the native kernel for bfloat16 on CPU, else a new tensor."""
+    if layer_ops.rope_(x, cos, sin):
+        return x
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -130,8 +145,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        act = layer_ops.silu_mul(gate_up, self.intermediate_size)
+        if act is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
@@ -145,13 +164,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the stream after the layer
+        is their sum, which the next layer's input norm takes (see RMSNorm.add_norm)."""
+        x, residual = self.input_layernorm.add_norm(h, residual)
+        h = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_norm(h, residual)
+        return self.mlp(x), residual
 
 
 class DecoderLM(nn.Module):
@@ -214,9 +238,10 @@ class DecoderLM(nn.Module):
         Returns hidden states [T, hidden] (final norm not applied)."""
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, h.dtype)  # [T, 1, D/2], shared by all layers
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return h
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (the sampled rows only) -> float32 logits [N, vocab]."""

@@ -3,6 +3,7 @@
     lib = native.kv_quant_lib()          # a ctypes.CDLL, or None: then callers run their torch ops
     lib = native.paged_attention_lib()
     lib = native.linear_lib()
+    lib = native.layer_ops_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
 `$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
@@ -19,7 +20,10 @@ compiler, the build fails, the tensors are not on the CPU, or `KVTIER_NO_NATIVE=
 switches them off for a block of code (tests compare the two). The KV quantization kernels
 (csrc/kv_quant.c) give the same bytes as their twins; the paged decode attention
 (csrc/paged_attention.c, AVX-512) computes the same attention in float32 in another order, so
-it agrees with torch's SDPA to float32 rounding, not bit for bit.
+it agrees with torch's SDPA to float32 rounding, not bit for bit; the small-batch bf16 GEMM
+(csrc/gemm.c) and the fused layer ops (csrc/layer_ops.c) round to bfloat16 where their torch twins
+do, so they agree with them except where a float32 sum of another order lands next to a bf16
+rounding boundary (within one bf16 ulp).
 """
 
 from __future__ import annotations
@@ -75,6 +79,15 @@ _SIGNATURES = {
         "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
                                   _i64, _i64, _f32], _int),
     },
+    "layer_ops": {
+        "kvt_has_layer_ops": ([], _int),
+        # x, ldx, residual (in/out, or NULL), weight, out, rows, hidden, eps
+        "kvt_add_rms_norm_bf16": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32], _int),
+        # x, tokens, heads, dim, ld, cos, sin
+        "kvt_rope_bf16": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], _int),
+        # gate_up, rows, inter, out
+        "kvt_silu_mul_bf16": ([_ptr, _i64, _i64, _ptr], _int),
+    },
     "gemm": {
         "kvt_has_linear_bf16": ([], _int),
         # x, M, ldx, w, N, K, bias (or NULL), out, ldo, variant (GEMM_DPBF16 / GEMM_FMA)
@@ -100,7 +113,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def disabled(*names: str) -> Iterator[None]:
     """Run the enclosed code on the torch ops (for comparisons and experiments): every native
-    library, or only those named ("kv_quant", "paged_attention", "gemm")."""
+    library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops")."""
     global _enabled
     before = _enabled, set(_disabled_libs)
     if names:
@@ -144,6 +157,20 @@ def linear_lib() -> ctypes.CDLL | None:
         return None
     lib = _load("gemm")
     return lib if lib is not None and _has_linear(lib) else None
+
+
+def layer_ops_lib() -> ctypes.CDLL | None:
+    """The fused per-layer ops of a bfloat16 decoder (csrc/layer_ops.c: residual add + RMSNorm,
+    rotary embedding, SiLU * up), or None: disabled, no working build, or a CPU without AVX-512."""
+    if not _active("layer_ops"):
+        return None
+    lib = _load("layer_ops")
+    return lib if lib is not None and _has_layer_ops(lib) else None
+
+
+@functools.cache
+def _has_layer_ops(lib: ctypes.CDLL) -> bool:
+    return bool(lib.kvt_has_layer_ops())
 
 
 @functools.cache
