@@ -38,6 +38,9 @@ Within one step, the flattened tokens of all sequences are split into
 from __future__ import annotations
 
 import array
+import functools
+import os
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,6 +173,45 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 cached prefix take one masked SDPA call)."""
 
 
+CHUNK_DPBF16, CHUNK_FMA = 0, 1
+"""The chunk kernel's two ways to multiply (KVT_CHUNK_* of csrc/paged_attention.c): bf16 dot
+products (vdpbf16ps), or float32 FMAs on K/V widened once per 16-key chunk (for CPUs whose FMA
+units outrun their bf16 dot products)."""
+CHUNK_VARIANT_ENV = "KVTIER_CHUNK_ATTENTION"
+"""`dpbf16` or `fma`: overrides the measurement of `chunk_variant`."""
+
+
+@functools.cache
+def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int = 3) -> int:
+    """The chunk kernel's faster variant on this CPU for this head shape: KVTIER_CHUNK_ATTENTION,
+    else both timed (interleaved, least of `repeats`) on a 256-token chunk over 768 cached tokens,
+    once per process; the bf16 one unless the other is 10% faster."""
+    given = os.environ.get(CHUNK_VARIANT_ENV, "").strip().lower()
+    if given:
+        if given not in ("dpbf16", "fma"):
+            raise ValueError(f"{CHUNK_VARIANT_ENV}={given!r}: use dpbf16 or fma")
+        return CHUNK_FMA if given == "fma" else CHUNK_DPBF16
+    lib = native.chunk_attention_lib()
+    block_size, start, n = 16, 768, 256
+    num_blocks = (start + n) // block_size
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    table = torch.arange(num_blocks, dtype=torch.long)
+    best = {CHUNK_DPBF16: float("inf"), CHUNK_FMA: float("inf")}
+    for _ in range(repeats + 1):  # the first round pays one-time setup
+        for variant in best:
+            t = time.perf_counter()
+            rc = lib.kvt_chunk_attention(q.data_ptr(), out.data_ptr(), pool.data_ptr(), table.data_ptr(), num_blocks,
+                                         start, n, num_heads, num_kv_heads, num_blocks, block_size, head_dim,
+                                         head_dim ** -0.5, variant)
+            if rc != 0:
+                return CHUNK_DPBF16
+            best[variant] = min(best[variant], time.perf_counter() - t)
+    return CHUNK_FMA if best[CHUNK_FMA] * 1.1 <= best[CHUNK_DPBF16] else CHUNK_DPBF16
+
+
 class TorchPagedAttention(AttentionBackend):
     """Plain PyTorch paged attention over `F.scaled_dot_product_attention`; runs on any device.
 
@@ -187,12 +229,15 @@ class TorchPagedAttention(AttentionBackend):
         self.head_dim = head_dim
         self.num_queries_per_kv = num_heads // num_kv_heads
         self.native_chunk_max_tokens = NATIVE_CHUNK_MAX_TOKENS
+        self.chunk_variant = CHUNK_DPBF16
 
     def bind_pool(self, kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
         # the chunk kernel (bfloat16) serves every chunk, the short ones faster than decode rows do
         chunk_kernel = kv_dtype == dtype == torch.bfloat16 and self._native_paged(device) and (
             native.chunk_attention_lib() is not None)
         self.native_chunk_max_tokens = 0 if chunk_kernel else NATIVE_CHUNK_MAX_TOKENS
+        if chunk_kernel:
+            self.chunk_variant = chunk_variant(self.num_heads, self.num_kv_heads, self.head_dim)
 
     @staticmethod
     def _native_paged(device: torch.device) -> bool:
@@ -386,7 +431,7 @@ class TorchPagedAttention(AttentionBackend):
         rc = lib.kvt_chunk_attention(
             q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), p.block_ids.data_ptr(), p.block_ids.numel(),
             p.start_pos, q.shape[0], self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
-            head_dim ** -0.5,
+            head_dim ** -0.5, self.chunk_variant,
         )
         if rc == native.BAD_INDEX:
             raise IndexError(f"chunk attention: a block id is outside the pool of {num_blocks} blocks")

@@ -71,8 +71,8 @@ _SIGNATURES = {
         "kvt_has_decode_attention": ([], _int),
         "kvt_has_chunk_attention": ([], _int),
         # q, out, pool, block_table, table_len, start, num_tokens, num_heads, num_kv_heads, num_blocks,
-        # block_size, dim, sm_scale
-        "kvt_chunk_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32],
+        # block_size, dim, sm_scale, variant (CHUNK_DPBF16 / CHUNK_FMA)
+        "kvt_chunk_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
                                 _int),
         # q, q_kind, out, pool, kv_kind, scales (or NULL), block_tables, max_blocks, seq_lens, batch,
         # num_heads, num_kv_heads, num_blocks, block_size, dim, sm_scale

@@ -2,7 +2,7 @@
 tokens of one sequence, each causal over its cached prefix and the chunk, straight from a bfloat16
 paged pool. Against torch's SDPA over the gathered cache in float32: every GQA group, head dim,
 block size, chunk length and prefix length it takes; tables outside the pool are errors; shapes it
-does not take fall back to SDPA. Also the torch path's split attention (prefix + causal chunk merged
+does not take fall back to SDPA; both of its variants (bf16 dot products, float32 FMAs). Also the torch path's split attention (prefix + causal chunk merged
 by log-sum-exp) against one masked SDPA call."""
 
 from __future__ import annotations
@@ -17,6 +17,20 @@ from kvtier.sched.output import ScheduledSeq
 
 needs_kernel = pytest.mark.skipif(native.chunk_attention_lib() is None,
                                   reason="no native chunk attention here (needs a C compiler and AVX512-BF16)")
+
+
+VARIANTS = [attention.CHUNK_DPBF16, attention.CHUNK_FMA]  # bf16 dot products, float32 FMAs
+
+
+def test_chunk_variant_override(monkeypatch):
+    monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "fma")
+    attention.chunk_variant.cache_clear()
+    assert attention.chunk_variant(12, 4, 64) == attention.CHUNK_FMA
+    monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "fast")
+    attention.chunk_variant.cache_clear()
+    with pytest.raises(ValueError, match=attention.CHUNK_VARIANT_ENV):
+        attention.chunk_variant(12, 4, 64)
+    attention.chunk_variant.cache_clear()
 
 
 def reference(q: torch.Tensor, pool: torch.Tensor, table: list[int], start: int, group: int) -> torch.Tensor:
@@ -57,9 +71,11 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 @needs_kernel
 @pytest.mark.parametrize("n,start", [(1, 0), (2, 0), (5, 3), (16, 0), (17, 16), (40, 7), (64, 333), (300, 1000),
                                      (14, 2042)])
-def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
     backend = TorchPagedAttention(12, 4, 64)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    backend.chunk_variant = variant
     pool, table, meta, q, k, v = chunk(backend, n, start, 16, torch.bfloat16, seed=n * 1000 + start)
     got = backend._chunk_native(q, pool, meta.prefills[0]) if n > 1 else None
     if n == 1:  # one token is a decode row, not a chunk
@@ -73,9 +89,11 @@ def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start):
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16),
                                                            (32, 8, 64, 48), (6, 2, 256, 16)])
-def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size, variant):
     backend = TorchPagedAttention(heads, kv_heads, dim)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    backend.chunk_variant = variant
     for n, start in [(3, 50), (37, 0), (70, 130)]:
         pool, table, meta, q, _k, _v = chunk(backend, n, start, block_size, torch.bfloat16, seed=heads + n)
         got = backend._chunk_native(q, pool, meta.prefills[0])

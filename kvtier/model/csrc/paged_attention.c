@@ -244,6 +244,7 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
  * float32. Needs AVX512-BF16, a bfloat16 pool, block_size % 16 == 0 and dim % 32 == 0. */
 #if defined(__AVX512BF16__)
 #define TILE_ROWS 60 /* query rows (tokens x group) per task */
+enum { KVT_CHUNK_DPBF16 = 0, KVT_CHUNK_FMA = 1 };
 #define RB 4         /* rows per register block */
 
 int kvt_has_chunk_attention(void) { return 1; }
@@ -372,10 +373,114 @@ static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const i
     }
 }
 
+/* The same tile and online softmax in float32 FMAs (KVT_CHUNK_FMA), for CPUs whose FMA units outrun
+ * their bf16 dot products: per 16-key chunk, K is widened once into dim-major float32 vectors (lane
+ * = key) and V into key-major float32 rows; a row's 16 scores are dim FMAs of a broadcast query
+ * value against a K vector, and P @ V takes 16 x dim / 16 FMAs of a broadcast probability against a
+ * V vector. RBF rows share each K and V load; P stays float32. */
+#define RBF 8 /* rows per register block */
+
+static void chunk_task_fma(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
+                           int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads,
+                           float sm_scale) {
+    const int64_t dim = L->dim, nv = dim / 16, bs = L->block_size, pairs = dim / 2;
+    const int64_t rows = tokens * group;
+    float m[TILE_ROWS];
+    __m512 acc[TILE_ROWS][MAX_DIM / 16], lsum[TILE_ROWS];
+    float qf[TILE_ROWS][MAX_DIM] __attribute__((aligned(64)));
+    int64_t limit[TILE_ROWS];
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r / group, g = r % group;
+        const uint16_t *qr = q + ((t0 + t) * num_heads + head * group + g) * dim;
+        for (int64_t d = 0; d < dim; d++) qf[r][d] = bits_to_f32((uint32_t)qr[d] << 16) * sm_scale;
+        limit[r] = start + t0 + t + 1;
+        m[r] = -INFINITY;
+        lsum[r] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
+    }
+    const int64_t end = start + t0 + tokens;
+    __m512 kf[MAX_DIM];                 /* kf[d] lane k = k_k[d] */
+    __m512 vf[16][MAX_DIM / 16];        /* vf[k][c] = v_k[16 c .. 16 c + 15] */
+    float pw[RBF][16] __attribute__((aligned(64)));
+    const __m512i hi = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t c0 = 0; c0 < end; c0 += 16) {
+        const int64_t block = table[c0 / bs], slot0 = c0 % bs;
+        const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot0);
+        const uint16_t *vb = (const uint16_t *)kv_row(L, 1, head, block, slot0);
+        const int64_t live_keys = end - c0 < 16 ? end - c0 : 16;
+        for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
+            __m512i r16[16];
+            for (int k = 0; k < 16; k++)
+                r16[k] = k < live_keys ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
+            transpose16x16(r16); /* r16[d] lane k = (k_k[2 (s16 + d)], k_k[2 (s16 + d) + 1]) */
+            for (int d = 0; d < 16; d++) {
+                kf[2 * (s16 + d)] = _mm512_castsi512_ps(_mm512_slli_epi32(r16[d], 16));
+                kf[2 * (s16 + d) + 1] = _mm512_castsi512_ps(_mm512_and_si512(r16[d], hi));
+            }
+        }
+        for (int k = 0; k < 16; k++)
+            for (int64_t c = 0; c < nv; c++)
+                vf[k][c] = k < live_keys ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                               _mm256_loadu_si256((const __m256i *)(vb + k * dim + 16 * c))), 16)) : _mm512_setzero_ps();
+        for (int64_t r0 = 0; r0 < rows; r0 += RBF) {
+            const int64_t nr = rows - r0 < RBF ? rows - r0 : RBF;
+            if (c0 >= limit[r0 + nr - 1]) continue; /* limits grow with the row: all in the future */
+            const float *qr[RBF];
+            for (int rr = 0; rr < RBF; rr++) qr[rr] = qf[r0 + (rr < nr ? rr : nr - 1)];
+            __m512 sa[RBF], sb[RBF];
+            for (int rr = 0; rr < RBF; rr++) sa[rr] = sb[rr] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < dim; d += 2) {
+                for (int rr = 0; rr < RBF; rr++) {
+                    sa[rr] = _mm512_fmadd_ps(_mm512_set1_ps(qr[rr][d]), kf[d], sa[rr]);
+                    sb[rr] = _mm512_fmadd_ps(_mm512_set1_ps(qr[rr][d + 1]), kf[d + 1], sb[rr]);
+                }
+            }
+            int64_t keys_live = 0;
+            for (int rr = 0; rr < RBF; rr++) {
+                const int64_t r = r0 + rr;
+                if (rr >= nr || c0 >= limit[r]) { /* padding row, or a row that sees none of these keys */
+                    _mm512_store_ps(pw[rr], _mm512_setzero_ps());
+                    continue;
+                }
+                const int64_t visible = limit[r] - c0 < 16 ? limit[r] - c0 : 16;
+                const __mmask16 live = (__mmask16)((1u << visible) - 1u);
+                const __m512 sc = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(sa[rr], sb[rr]));
+                const float chunk_max = _mm512_reduce_max_ps(sc);
+                if (chunk_max > m[r]) {
+                    const __m512 correction = _mm512_set1_ps(expf(m[r] - chunk_max));
+                    lsum[r] = _mm512_mul_ps(lsum[r], correction);
+                    for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], correction);
+                    m[r] = chunk_max;
+                }
+                const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
+                lsum[r] = _mm512_add_ps(lsum[r], p);
+                _mm512_store_ps(pw[rr], p);
+                if (visible > keys_live) keys_live = visible;
+            }
+            for (int64_t c = 0; c < nv; c++) {
+                __m512 a[RBF];
+                for (int rr = 0; rr < RBF; rr++) a[rr] = acc[r0 + (rr < nr ? rr : 0)][c];
+                for (int64_t k = 0; k < keys_live; k++) {
+                    const __m512 v = vf[k][c];
+                    for (int rr = 0; rr < RBF; rr++) a[rr] = _mm512_fmadd_ps(_mm512_set1_ps(pw[rr][k]), v, a[rr]);
+                }
+                for (int rr = 0; rr < nr; rr++) acc[r0 + rr][c] = a[rr];
+            }
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t t = r / group, g = r % group;
+        uint16_t *o = out + ((t0 + t) * num_heads + head * group + g) * dim;
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(lsum[r]));
+        for (int64_t c = 0; c < nv; c++)
+            _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
+    }
+}
+
 int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
                         int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
-    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > TILE_ROWS ||
+                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
+    if ((variant != KVT_CHUNK_DPBF16 && variant != KVT_CHUNK_FMA) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > TILE_ROWS ||
         dim % 32 != 0 || dim > MAX_DIM || block_size <= 0 || block_size % 16 != 0 || start < 0 || num_tokens <= 0)
         return KVT_UNSUPPORTED;
     const int64_t end = start + num_tokens;
@@ -390,7 +495,10 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
     for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
         const int64_t i = tiles - 1 - task / num_kv_heads, head = task % num_kv_heads;
         const int64_t t0 = i * tile, n = num_tokens - t0 < tile ? num_tokens - t0 : tile;
-        chunk_task(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
+        if (variant == KVT_CHUNK_FMA)
+            chunk_task_fma(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
+        else
+            chunk_task(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
     }
     return KVT_OK;
 }
@@ -415,8 +523,8 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
 int kvt_has_chunk_attention(void) { return 0; }
 int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
                         int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
-                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale) {
-    (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
+                        int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
+    (void)variant; (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
     (void)num_kv_heads; (void)num_blocks; (void)block_size; (void)dim; (void)sm_scale;
     return KVT_UNSUPPORTED;
 }
