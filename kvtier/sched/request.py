@@ -70,7 +70,7 @@ class Request:
     restore_s: float = 0.0
     """Seconds its tier loads took (queue wait included)."""
     tier_keys: list[bytes] | None = None
-    """Chained keys of the full blocks of all_token_ids[:-1] (for tier lookups)."""
+    """Chained keys of the full blocks of all_token_ids[:-1] (tier lookups, in-flight prefix sharing)."""
     remote_lookup: Any = None
     """Future: how many leading tier_keys the remote tier holds."""
     load_future: Any = None

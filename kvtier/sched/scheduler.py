@@ -2,8 +2,11 @@
 
 Each step every request wants `num_tokens - num_computed_tokens` more tokens computed (a
 decoding request wants 1). Running requests go first, most important first; then waiting
-requests are admitted while the token budget, `max_num_seqs` and the pool allow. There are no
-prefill or decode phases. When the pool cannot grow a running request, the least important
+requests are admitted while the token budget, `max_num_seqs` and the pool allow. A waiting
+request whose next uncached block is being computed by a running prefill waits for it instead
+of computing it again (requests arriving together with one new shared prefix compute it once;
+the others are admitted as prefix hits a step or a few later). There are no prefill or decode
+phases. When the pool cannot grow a running request, the least important
 running request (lowest priority, then latest arrival) is preempted: its blocks are freed (its
 full blocks stay cached, so resuming is mostly a prefix hit) and it waits at the head.
 """
@@ -66,6 +69,9 @@ class Scheduler:
         self.restore_decisions: Counter[str] = Counter()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_inflight_waits = 0
+        """Times a waiting request was held because its next block was being computed by a
+        running prefill (it is admitted as a prefix hit once that block is cached)."""
         self._arrivals = 0
 
     # ------------------------------------------------------------------ requests in / out
@@ -179,12 +185,23 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         cfg = self.config
         bs = self.kv.block_size
+        inflight: set[bytes] | None = None
         for req in self.waiting.ordered():
             if len(self.running) + len(self.loading) >= cfg.max_num_seqs or budget <= 0:
                 break
             if req.remote_lookup is not None and not req.remote_lookup.done():
                 continue  # its remote lookup is on the way; others may go first meanwhile
             match = self.kv.match(req.all_token_ids, req.root_key)
+            if inflight is None:
+                inflight = self._inflight_keys()
+            d = len(match.block_ids)
+            if inflight:
+                keys = self._prompt_keys(req)
+                if d < len(keys) and keys[d] in inflight:
+                    # its next block is being computed by a running prefill: wait for the hit
+                    # rather than compute the same KV twice (a burst sharing a new prefix)
+                    self.num_inflight_waits += 1
+                    continue
             if self.tiers is not None and self._try_restore(req, match, now):
                 continue
             num_cached = match.num_cached_tokens(bs)
@@ -205,7 +222,29 @@ class Scheduler:
                 req.first_scheduled_time = now
             out.seqs.append(self._seq(req, n))
             budget -= n
+            keys = self._prompt_keys(req)
+            inflight.update(keys[d:len(keys)])
         return budget
+
+    def _prompt_keys(self, req: Request) -> list[bytes]:
+        """Chained keys of the full blocks of req.all_token_ids[:-1] (the blocks a later request
+        can hit; the last token is always computed), cached on the request."""
+        bs = self.kv.block_size
+        num_full = (len(req.all_token_ids) - 1) // bs
+        keys = req.tier_keys
+        if keys is None or len(keys) < num_full:
+            keys = req.tier_keys = chain_keys(req.root_key, req.all_token_ids, bs, num_blocks=num_full)
+        return keys[:num_full]
+
+    def _inflight_keys(self) -> set[bytes]:
+        """Keys of the blocks running prefills hold but have not computed yet."""
+        bs = self.kv.block_size
+        keys: set[bytes] = set()
+        for req in self.running:
+            done, num_full = req.num_computed_tokens // bs, (len(req.all_token_ids) - 1) // bs
+            if done < num_full:
+                keys.update(self._prompt_keys(req)[done:num_full])
+        return keys
 
     # ------------------------------------------------------------------ tiers below
     def _try_restore(self, req: Request, match, now: float) -> bool:
@@ -214,9 +253,7 @@ class Scheduler:
         bs = self.kv.block_size
         tokens = req.all_token_ids
         num_full = (len(tokens) - 1) // bs
-        keys = req.tier_keys
-        if keys is None or len(keys) < num_full:
-            keys = req.tier_keys = chain_keys(req.root_key, tokens, bs, num_blocks=num_full)
+        keys = self._prompt_keys(req)
         d = len(match.block_ids)
         if d:
             self.tiers.touch(keys[:d])

@@ -210,3 +210,58 @@ def test_stop_token_and_max_tokens():
     s.add_request(req("b", 3, max_tokens=2))
     run_all(s)
     s.check_integrity()
+
+
+def shared(rid: str, prefix: int, unique: int, root=ROOT) -> Request:
+    """A prompt of `prefix` shared tokens, then `unique` tokens of its own."""
+    tokens = list(range(prefix)) + [1000 + 10 * ord(rid[0]) + i for i in range(unique)]
+    return Request(rid, tokens, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), root)
+
+
+def test_a_burst_sharing_a_new_prefix_computes_it_once():
+    s = make(max_num_batched_tokens=64)
+    for r in "abc":
+        s.add_request(shared(r, 12, 3))
+    out, _ = step(s)
+    # only a computes the shared blocks; b and c wait for them instead of computing them too
+    assert [(x.req_id, x.start_pos, len(x.token_ids)) for x in out.seqs] == [("a", 0, 15)]
+    assert s.num_inflight_waits == 2
+    out, _ = step(s)
+    assert [(x.req_id, x.start_pos, len(x.token_ids)) for x in out.seqs] == [("a", 15, 1), ("b", 12, 3), ("c", 12, 3)]
+    assert s.requests["b"].num_cached_tokens == s.requests["c"].num_cached_tokens == 12
+    run_all(s)
+    assert s.kv.num_free_blocks == s.kv.num_blocks
+
+
+def test_a_long_shared_prefix_is_waited_for_across_its_chunks():
+    s = make(num_blocks=64, max_num_batched_tokens=16)
+    s.add_request(shared("a", 40, 2))
+    s.add_request(shared("b", 40, 5))
+    starts = []
+    for _ in range(4):
+        out, _ = step(s)
+        starts.append([(x.req_id, x.start_pos, len(x.token_ids)) for x in out.seqs])
+    # b waits while a's chunks compute the shared blocks, then hits all 40 shared tokens
+    assert starts[:3] == [[("a", 0, 16)], [("a", 16, 16)], [("a", 32, 10)]]
+    assert starts[3] == [("a", 42, 1), ("b", 40, 5)]
+    run_all(s)
+
+
+def test_other_salts_and_unrelated_prompts_do_not_wait():
+    s = make(max_num_batched_tokens=64)
+    s.add_request(shared("a", 12, 3))
+    s.add_request(shared("b", 12, 3, root=root_key(b"test-model", "tenant-b")))  # same tokens, other salt
+    s.add_request(req("c", 15, base=500))
+    out, _ = step(s)
+    assert sorted(x.req_id for x in out.seqs) == ["a", "b", "c"] and s.num_inflight_waits == 0
+    run_all(s)
+
+
+def test_a_preempted_holder_does_not_strand_the_waiter():
+    s = make(num_blocks=8, max_num_batched_tokens=8)
+    s.add_request(shared("a", 16, 3))   # 19 tokens, chunks of 8: holds the shared blocks for 3 steps
+    s.add_request(shared("b", 16, 3))
+    step(s)
+    s._preempt(s.requests["a"])       # the holder goes back to waiting (its computed blocks stay cached)
+    s.check_integrity()
+    run_all(s)                        # both finish: nothing waits on a request that is not running
