@@ -65,9 +65,10 @@ class LLM:
         )
         tok = None
         if not skip_tokenizer_init:
+            from kvtier.model.tokenizer import Tokenizer, has_tokenizer
+
             tok_dir = Path(tokenizer or model)
-            if (tok_dir / "tokenizer.json").is_file():
-                from kvtier.model.tokenizer import Tokenizer
+            if has_tokenizer(tok_dir):
                 tok = Tokenizer(tok_dir)
         self.engine = EngineCore(config, tokenizer=tok)
         self.tokenizer = tok

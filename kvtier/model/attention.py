@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.model import native
-from kvtier.model.kv_quant import QuantizedKVCache, WritePlan
+from kvtier.model.kv_quant import QuantizedKVCache, WritePlan, rotate
 from kvtier.sched.output import ScheduledSeq
 
 KVCache = torch.Tensor | QuantizedKVCache
@@ -489,6 +489,10 @@ class TorchPagedAttention(AttentionBackend):
         kind = native.KV_STORAGE.get(pool.dtype)
         if kind is None or not pool.is_contiguous() or (scales is not None) != (pool.dtype in native.SCALED_STORAGE):
             return None
+        rotation = kv_cache.rotation if isinstance(kv_cache, QuantizedKVCache) else None
+        out_dtype = q.dtype
+        if rotation is not None:  # attend in the pool's rotated basis (see QuantizedKVCache.rotation)
+            q = rotate(q, rotation)
         q = q.contiguous()
         out = torch.empty_like(q)
         batch, max_blocks = d.block_tables.shape
@@ -501,7 +505,11 @@ class TorchPagedAttention(AttentionBackend):
         )
         if rc == native.BAD_INDEX:
             raise IndexError(f"decode attention: a block table or length is outside the pool of {num_blocks} blocks")
-        return out.view(batch, -1) if rc == 0 else None
+        if rc != 0:
+            return None
+        if rotation is not None:
+            out = rotate(out, rotation).to(out_dtype)
+        return out.view(batch, -1)
 
     def _fold(self, q: torch.Tensor) -> torch.Tensor:
         """[n, Hq, D] -> [Hkv, G * n, D], row g * n + i = token i of query head kv * G + g."""

@@ -96,11 +96,17 @@ class ArchConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ArchConfig:
+        """From a Hugging Face directory's config.json (and generation_config.json), or from the
+        metadata of a GGUF file (kvtier.model.gguf)."""
         model_dir = Path(model_dir)
+        from kvtier.model import gguf  # noqa: PLC0415 - gguf imports this module
+
+        if gguf.is_gguf(model_dir):
+            return cls.from_dict(gguf.open_checkpoint(str(model_dir)).config(), source=str(model_dir))
         if not model_dir.is_dir():
             raise ModelFilesNotFoundError(
                 f"model directory {str(model_dir)!r} does not exist; pass the path of a local "
-                f"Hugging Face checkpoint (a folder with config.json and *.safetensors)"
+                f"Hugging Face checkpoint (a folder with config.json and *.safetensors) or of a .gguf file"
             )
         config_path = model_dir / "config.json"
         if not config_path.is_file():

@@ -10,6 +10,16 @@
     fp8_e4m3    torch.float8_e4m3fn      1            per (layer, K/V, KV head, block), float32
     fp8_e5m2    torch.float8_e5m2        1            per (layer, K/V, KV head, block), float32
     int8        torch.int8 (symmetric)   1            per (layer, K/V, KV head, block), float32
+    int8_rot    int8 of K and V rotated  1            as int8
+    fp8_e4m3_rot  fp8_e4m3 of K, V rotated  1         as fp8_e4m3
+
+`*_rot`: K and V are rotated by a fixed orthonormal Hadamard matrix along the head dimension
+before they are quantized (as QuaRot and SpinQuant do for weights and KV). A real model's keys
+have a few outlier channels (rope pairs that carry most of the energy); with one scale per
+block those channels set the scale and every other channel is quantized coarsely. The rotation
+spreads each channel's energy over all of them, so the block scale fits every channel. Reads
+rotate back (gathers), or attend in the rotated basis (the native decode kernel: q is rotated,
+the output rotated back), so no kernel changes and no extra bytes.
 
 A quantized layer cache is a `QuantizedKVCache`: the pool view `data [2, Hkv, num_blocks,
 block_size, D]` in the storage dtype and `scales [2, Hkv, num_blocks]` float32, with
@@ -39,7 +49,8 @@ import torch
 
 from kvtier.model import native
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot",
+                   "fp8_e4m3_rot")
 
 MIN_SCALE = 1e-30
 """Floor of a dynamic scale: an all-zero block must not divide by zero."""
@@ -57,6 +68,11 @@ class KVDtype:
     storage: torch.dtype
     qmax: float | None
     """Largest representable |value| / scale; None when unquantized (no scales)."""
+    rotated: bool = False
+    """Keys and values are stored rotated by a fixed orthonormal Hadamard matrix along the head
+    dimension (`hadamard`): an outlier channel's energy spreads over every channel, so one scale
+    per block fits all of them. Attention reads them back in the rotated basis (see
+    QuantizedKVCache.rotation); the same bytes per token as the unrotated dtype."""
 
     @property
     def quantized(self) -> bool:
@@ -91,7 +107,22 @@ def resolve_kv_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype
     if kv_cache_dtype in _QUANTIZED:
         storage, qmax = _QUANTIZED[kv_cache_dtype]
         return KVDtype(kv_cache_dtype, storage, qmax)
+    if kv_cache_dtype.endswith("_rot") and kv_cache_dtype.removesuffix("_rot") in _QUANTIZED:
+        storage, qmax = _QUANTIZED[kv_cache_dtype.removesuffix("_rot")]
+        return KVDtype(kv_cache_dtype, storage, qmax, rotated=True)
     raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
+def hadamard(dim: int) -> torch.Tensor:
+    """An orthonormal, symmetric [dim, dim] float32 matrix with entries of equal magnitude (within
+    each block): Sylvester's Hadamard matrix over the largest power of two dividing `dim`,
+    repeated on the diagonal. H @ H = I, so rotating by it twice restores a vector."""
+    size = dim & -dim  # largest power of two dividing dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < size:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    h = h / size ** 0.5
+    return torch.block_diag(*([h] * (dim // size)))
 
 
 # -- quantize / dequantize ---------------------------------------------------------------------
@@ -201,15 +232,19 @@ class QuantizedKVCache:
     they are available: one call per layer instead of dozens of small torch ops, the same bytes.
     """
 
-    __slots__ = ("data", "scales", "kv_dtype", "static_scales", "_native_storage")
+    __slots__ = ("data", "scales", "kv_dtype", "static_scales", "rotation", "_native_storage")
 
     def __init__(self, data: torch.Tensor, scales: torch.Tensor | None, kv_dtype: KVDtype,
-                 static_scales: tuple[float, float] | None = None) -> None:
+                 static_scales: tuple[float, float] | None = None, rotation: torch.Tensor | None = None) -> None:
         self.data = data
         self.scales = scales
         self.kv_dtype = kv_dtype
         self.static_scales = static_scales
         """(K scale, V scale) of this layer from the checkpoint; None = dynamic per-block scales."""
+        self.rotation = rotation if rotation is not None or not kv_dtype.rotated else hadamard(data.shape[-1])
+        """[D, D] float32 (symmetric, orthonormal) for a rotated dtype, else None: the cache holds
+        k @ R and v @ R. `gather` rotates back; a kernel reading the pool directly attends with
+        q @ R and rotates its output by R (q . k = (q R) . (k R), sum p v = (sum p v R) R)."""
         self._native_storage = (
             native.KV_STORAGE.get(data.dtype)
             if scales is not None and data.dtype in native.SCALED_STORAGE and data.device.type == "cpu"
@@ -227,6 +262,8 @@ class QuantizedKVCache:
         block's scale are stored as they are, blocks that must grow are rewritten whole (see
         WritePlan), so every token of a block shares the block's scale. `plan`: the step's
         WritePlan, or a function that builds it (the native kernel needs none); None: built here."""
+        if self.rotation is not None:
+            k, v = rotate(k, self.rotation), rotate(v, self.rotation)
         if self._native_storage is not None and self._write_native(k, v, slot_mapping):
             return
         two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
@@ -274,6 +311,11 @@ class QuantizedKVCache:
         """Blocks `block_ids` [n] of K and V, dequantized: [2, Hkv, n, block_size, D] in out_dtype."""
         if self.scales is None:
             return self.data.index_select(2, block_ids).to(out_dtype)
+        if self.rotation is not None:  # back from the rotated basis, in float32
+            return rotate(self._gather(block_ids, torch.float32), self.rotation).to(out_dtype)
+        return self._gather(block_ids, out_dtype)
+
+    def _gather(self, block_ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if self._native_storage is not None and out_dtype in native.FLOAT_KIND:
             out = self._gather_native(block_ids, out_dtype)
             if out is not None:
@@ -313,6 +355,11 @@ class QuantizedKVCache:
         if rc == native.BAD_INDEX:
             raise IndexError(f"KV write: a slot is outside 0 .. {num_blocks * block_size - 1}")
         return rc == 0
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ rotation [D, D], in float32."""
+    return x.float() @ rotation
 
 
 def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,12 @@ import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from kvtier.model import gguf
 from kvtier.model.attention import AttentionBackend
 from kvtier.model.hf_config import ArchConfig, ModelFilesNotFoundError, ModelLoadError
 from kvtier.model.llama import DecoderLM
@@ -77,11 +79,9 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
 ) -> DecoderLM:
-    """Build a `DecoderLM` for `arch` and fill it from the checkpoint in `model_dir`."""
-    files = safetensors_files(model_dir)
-    names = set()
-    for f in files:
-        names.update(n for n in _read_header(f)[1] if n != "__metadata__")
+    """Build a `DecoderLM` for `arch` and fill it from the checkpoint in `model_dir` (a Hugging
+    Face directory, or a GGUF file: kvtier.model.gguf)."""
+    names, tensors = _checkpoint_tensors(model_dir, dtype)
     tie = arch.tie_word_embeddings or "lm_head.weight" not in names
     with torch.device("meta"):
         model = DecoderLM(arch, backend, dtype=dtype, device=device, tie_word_embeddings=tie)
@@ -96,23 +96,39 @@ def load_model(
             f"{str(model_dir)!r}: checkpoint is missing tensors {shown}; it does not match its config.json "
             f"({arch.architecture}) or the download is incomplete"
         )
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as reader:
-            for name in reader.keys():
-                dest = routes.get(name)
-                if dest is None:
-                    continue  # e.g. rotary_emb.inv_freq of old checkpoints
-                tensor = reader.get_tensor(name)
-                # q/k norm weights [D] are broadcast into their rows of qk_norm [Hq + Hkv, D]
-                is_head_norm = name.endswith(("q_norm.weight", "k_norm.weight"))
-                expected = dest.shape[-tensor.dim() :] if is_head_norm else dest.shape
-                if tuple(tensor.shape) != tuple(expected):
-                    raise ModelLoadError(
-                        f"{str(model_dir)!r}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
-                        f"{tuple(expected)}; the config and the weights belong to different models"
-                    )
-                dest.copy_(tensor)  # casts to the model dtype and moves to the device
+    for name, tensor in tensors:
+        dest = routes.get(name)
+        if dest is None:
+            continue  # e.g. rotary_emb.inv_freq of old checkpoints
+        # q/k norm weights [D] are broadcast into their rows of qk_norm [Hq + Hkv, D]
+        is_head_norm = name.endswith(("q_norm.weight", "k_norm.weight"))
+        expected = dest.shape[-tensor.dim() :] if is_head_norm else dest.shape
+        if tuple(tensor.shape) != tuple(expected):
+            raise ModelLoadError(
+                f"{str(model_dir)!r}: tensor {name} has shape {tuple(tensor.shape)}, config.json implies "
+                f"{tuple(expected)}; the config and the weights belong to different models"
+            )
+        dest.copy_(tensor)  # casts to the model dtype and moves to the device
     return model.eval()
+
+
+def _checkpoint_tensors(model_dir: str | Path, dtype: torch.dtype) -> tuple[set[str], Iterator[tuple[str, torch.Tensor]]]:
+    """(the checkpoint's tensor names, an iterator of (name, tensor) read one at a time)."""
+    if gguf.is_gguf(model_dir):
+        ckpt = gguf.open_checkpoint(str(model_dir))
+        return set(ckpt.tensor_names()), ckpt.tensors(dtype)
+    files = safetensors_files(model_dir)
+    names = set()
+    for f in files:
+        names.update(n for n in _read_header(f)[1] if n != "__metadata__")
+
+    def read() -> Iterator[tuple[str, torch.Tensor]]:
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as reader:
+                for name in reader.keys():
+                    yield name, reader.get_tensor(name)
+
+    return names, read()
 
 
 def read_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]] | None:
@@ -122,6 +138,8 @@ def read_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, 
     both), scalars with x ~= fp8_e4m3 * scale. A checkpoint that has them for some layers only is
     an error: half-calibrated KV would silently lose accuracy.
     """
+    if gguf.is_gguf(model_dir):
+        return None  # GGUF files carry no KV scales
     found: dict[str, float] = {}
     kinds = ("k_scale", "v_scale", "kv_scale")
     wanted = {f"model.layers.{i}.self_attn.{kind}" for i in range(num_layers) for kind in kinds}
@@ -220,6 +238,16 @@ def model_fingerprint(
     model_dir = Path(model_dir)
     h = hashlib.blake2b(digest_size=16)
     h.update(f"kvtier-layout-{LAYOUT_VERSION}\0".encode())
+    if gguf.is_gguf(model_dir):
+        h.update(gguf.open_checkpoint(str(model_dir)).fingerprint_bytes())
+    else:
+        _hash_safetensors(h, model_dir)
+    h.update(f"\0dtype={_dtype_name(dtype)} kv_dtype={_dtype_name(kv_dtype)} block_size={block_size}".encode())
+    return h.digest()
+
+
+def _hash_safetensors(h: Any, model_dir: Path) -> None:
+    """config.json, and for each weight file its size, header and the edges of its data."""
     h.update((model_dir / "config.json").read_bytes())
     for path in safetensors_files(model_dir):
         size = path.stat().st_size
@@ -235,5 +263,3 @@ def model_fingerprint(
                 tail = min(data_len - _FINGERPRINT_EDGE_BYTES, _FINGERPRINT_EDGE_BYTES)
                 f.seek(size - tail)
                 h.update(f.read(tail))
-    h.update(f"\0dtype={_dtype_name(dtype)} kv_dtype={_dtype_name(kv_dtype)} block_size={block_size}".encode())
-    return h.digest()

@@ -144,10 +144,12 @@ class ModelRunner:
     # -- public ----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def execute(self, out: SchedulerOutput, all_rows: bool = False) -> torch.Tensor:
         """Run `out.block_copies`, then one forward pass over `out.seqs`.
 
-        Returns float32 logits [num seqs with sample=True, vocab], in the order of those seqs.
+        Returns float32 logits [num seqs with sample=True, vocab], in the order of those seqs; with
+        `all_rows`, the logits of every scheduled token [num tokens, vocab] (row i predicts the
+        token after the i-th one: scoring a text's log-likelihood).
         """
         self._copy_blocks(out.block_copies)
         if not out.seqs:
@@ -155,6 +157,8 @@ class ModelRunner:
         input_ids, positions, sample_rows = self._prepare_inputs(out.seqs)
         meta = self.attn_backend.build_metadata(out.seqs, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        if all_rows:
+            return self.model.compute_logits(hidden)
         if sample_rows is None:
             return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, sample_rows))

@@ -1,4 +1,5 @@
-"""Tokenizer and chat template from a model directory (tokenizer.json + tokenizer_config.json).
+"""Tokenizer and chat template from a model directory (tokenizer.json + tokenizer_config.json), or
+from a GGUF file's tokenizer metadata (kvtier.model.gguf).
 
 Uses the `tokenizers` library for encoding and a sandboxed jinja2 environment for the chat
 template, configured like transformers renders it, so no transformers import is needed.
@@ -25,25 +26,38 @@ def _token_str(value: Any) -> str | None:
     return value
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether `path` (a model directory or GGUF file) carries a tokenizer `Tokenizer` can load."""
+    from kvtier.model import gguf
+
+    path = Path(path)
+    return gguf.is_gguf(path) or (path / "tokenizer.json").is_file()
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         from tokenizers import Tokenizer as _HFTokenizer
 
+        from kvtier.model import gguf
+
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.is_file():
-            raise TokenizerError(
-                f"no tokenizer.json in {model_dir}; pass token ids instead of text, or add the "
-                "model's fast tokenizer file (tokenizer.json)")
-        self._tok = _HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        if gguf.is_gguf(model_dir):  # built from the file's tokenizer metadata
+            self._tok, cfg = gguf.open_checkpoint(str(model_dir)).tokenizer_parts()
+        else:
+            path = model_dir / "tokenizer.json"
+            if not path.is_file():
+                raise TokenizerError(
+                    f"no tokenizer.json in {model_dir}; pass token ids instead of text, or add the "
+                    "model's fast tokenizer file (tokenizer.json)")
+            self._tok = _HFTokenizer.from_file(str(path))
+            cfg_path = model_dir / "tokenizer_config.json"
+            cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.config = cfg
         self.bos_token = _token_str(cfg.get("bos_token"))
         self.eos_token = _token_str(cfg.get("eos_token"))
         template = cfg.get("chat_template")
         jinja_file = model_dir / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
+        if template is None and model_dir.is_dir() and jinja_file.is_file():
             template = jinja_file.read_text()
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

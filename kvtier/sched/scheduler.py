@@ -185,19 +185,22 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int, now: float) -> int:
         cfg = self.config
         bs = self.kv.block_size
-        inflight: set[bytes] | None = None
+        inflight: set[bytes] | None = None  # built when a waiting request first needs it
+        admitted: list[tuple[Request, int]] = []  # (request, its first uncached block) admitted here
         for req in self.waiting.ordered():
             if len(self.running) + len(self.loading) >= cfg.max_num_seqs or budget <= 0:
                 break
             if req.remote_lookup is not None and not req.remote_lookup.done():
                 continue  # its remote lookup is on the way; others may go first meanwhile
             match = self.kv.match(req.all_token_ids, req.root_key)
-            if inflight is None:
-                inflight = self._inflight_keys()
             d = len(match.block_ids)
-            if inflight:
-                keys = self._prompt_keys(req)
-                if d < len(keys) and keys[d] in inflight:
+            if d < (len(req.all_token_ids) - 1) // bs:  # it has blocks a running prefill may be computing
+                if inflight is None:
+                    inflight = self._inflight_keys()
+                for other, first in admitted:
+                    inflight.update(self._prompt_keys(other)[first:])
+                admitted.clear()
+                if inflight and self._prompt_keys(req)[d] in inflight:
                     # its next block is being computed by a running prefill: wait for the hit
                     # rather than compute the same KV twice (a burst sharing a new prefix)
                     self.num_inflight_waits += 1
@@ -222,8 +225,7 @@ class Scheduler:
                 req.first_scheduled_time = now
             out.seqs.append(self._seq(req, n))
             budget -= n
-            keys = self._prompt_keys(req)
-            inflight.update(keys[d:len(keys)])
+            admitted.append((req, d))
         return budget
 
     def _prompt_keys(self, req: Request) -> list[bytes]:

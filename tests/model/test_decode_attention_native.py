@@ -16,7 +16,7 @@ from kvtier.sched.output import ScheduledSeq
 pytestmark = pytest.mark.skipif(native.paged_attention_lib() is None,
                                 reason="no native decode attention here (needs a C compiler and AVX-512)")
 
-KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8"]
+KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "fp8_e4m3_rot"]
 LENGTHS = [1, 3, 16, 17, 40, 333]
 
 
