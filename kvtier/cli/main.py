@@ -14,14 +14,13 @@ import re
 import sys
 from typing import Any
 
+from kvtier.model.kv_names import KV_CACHE_DTYPES  # torch-free: flags are checked before torch loads
+
 # Tier names and write policies, as kvtier.tiers.hierarchy spells them (not imported here so
 # that `kvtier --help` and flag errors do not wait for torch).
 TIERS = ("host", "disk", "remote")
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot",
-                   "fp8_e4m3_rot")
-"""= kvtier.model.kv_quant.KV_CACHE_DTYPES (repeated: the CLI parses flags before importing torch)."""
 
 _SIZE_UNITS = {
     "": 1, "b": 1,

@@ -497,9 +497,11 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         batch, max_blocks = d.block_tables.shape
         _two, num_kv_heads, num_blocks, block_size, head_dim = pool.shape
+        per_token = isinstance(kv_cache, QuantizedKVCache) and kv_cache.kv_dtype.per_token
         rc = lib.kvt_decode_attention(
             q.data_ptr(), native.FLOAT_KIND[q.dtype], out.data_ptr(), pool.data_ptr(), kind,
-            scales.data_ptr() if scales is not None else None, d.block_tables.data_ptr(), max_blocks,
+            scales.data_ptr() if scales is not None else None,
+            native.SCALE_TOKEN if per_token else native.SCALE_BLOCK, d.block_tables.data_ptr(), max_blocks,
             d.seq_lens.data_ptr(), batch, self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
             head_dim ** -0.5,
         )

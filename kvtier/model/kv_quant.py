@@ -11,6 +11,7 @@
     fp8_e5m2    torch.float8_e5m2        1            per (layer, K/V, KV head, block), float32
     int8        torch.int8 (symmetric)   1            per (layer, K/V, KV head, block), float32
     int8_rot    int8 of K and V rotated  1            as int8
+    int8_tok    int8 of K and V rotated  1            per (layer, K/V, KV head, token), float16
     fp8_e4m3_rot  fp8_e4m3 of K, V rotated  1         as fp8_e4m3
 
 `*_rot`: K and V are rotated by a fixed orthonormal Hadamard matrix along the head dimension
@@ -20,6 +21,12 @@ block those channels set the scale and every other channel is quantized coarsely
 spreads each channel's energy over all of them, so the block scale fits every channel. Reads
 rotate back (gathers), or attend in the rotated basis (the native decode kernel: q is rotated,
 the output rotated back), so no kernel changes and no extra bytes.
+
+`int8_tok` also gives every token its own float16 scale (2 bytes per token, K/V and KV head: a
+block of 16 tokens x 64 dims holds 1,056 bytes against int8's 1,028, 1.03x). Each token is
+quantized once, to its own range: no token is requantized when its block's scale grows, and one
+token's large values do not coarsen its neighbours'. kvtier measures where a 1-byte KV's error
+comes from with `benchmarks/kv_error_sources.py` (docs/benchmarks.md).
 
 A quantized layer cache is a `QuantizedKVCache`: the pool view `data [2, Hkv, num_blocks,
 block_size, D]` in the storage dtype and `scales [2, Hkv, num_blocks]` float32, with
@@ -42,15 +49,15 @@ else (another device, no C compiler, `KVTIER_NO_NATIVE=1`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.model import native
+from kvtier.model.kv_names import KV_CACHE_DTYPES  # noqa: F401  (re-exported: the names, torch-free)
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot",
-                   "fp8_e4m3_rot")
 
 MIN_SCALE = 1e-30
 """Floor of a dynamic scale: an all-zero block must not divide by zero."""
@@ -73,6 +80,14 @@ class KVDtype:
     dimension (`hadamard`): an outlier channel's energy spreads over every channel, so one scale
     per block fits all of them. Attention reads them back in the rotated basis (see
     QuantizedKVCache.rotation); the same bytes per token as the unrotated dtype."""
+    per_token: bool = False
+    """One float16 scale per token (and K/V, KV head) instead of one float32 per block: a token is
+    quantized once, to its own range, and never requantized when a later token of its block is
+    larger."""
+
+    @property
+    def scale_dtype(self) -> torch.dtype:
+        return torch.float16 if self.per_token else torch.float32
 
     @property
     def quantized(self) -> bool:
@@ -107,6 +122,8 @@ def resolve_kv_dtype(kv_cache_dtype: str | torch.dtype, model_dtype: torch.dtype
     if kv_cache_dtype in _QUANTIZED:
         storage, qmax = _QUANTIZED[kv_cache_dtype]
         return KVDtype(kv_cache_dtype, storage, qmax)
+    if kv_cache_dtype == "int8_tok":
+        return KVDtype(kv_cache_dtype, torch.int8, 127.0, rotated=True, per_token=True)
     if kv_cache_dtype.endswith("_rot") and kv_cache_dtype.removesuffix("_rot") in _QUANTIZED:
         storage, qmax = _QUANTIZED[kv_cache_dtype.removesuffix("_rot")]
         return KVDtype(kv_cache_dtype, storage, qmax, rotated=True)
@@ -241,14 +258,14 @@ class QuantizedKVCache:
         self.kv_dtype = kv_dtype
         self.static_scales = static_scales
         """(K scale, V scale) of this layer from the checkpoint; None = dynamic per-block scales."""
-        self.rotation = rotation if rotation is not None or not kv_dtype.rotated else hadamard(data.shape[-1])
+        self.rotation = rotation if rotation is not None or not kv_dtype.rotated else _hadamard_cached(data.shape[-1])
         """[D, D] float32 (symmetric, orthonormal) for a rotated dtype, else None: the cache holds
         k @ R and v @ R. `gather` rotates back; a kernel reading the pool directly attends with
         q @ R and rotates its output by R (q . k = (q R) . (k R), sum p v = (sum p v R) R)."""
         self._native_storage = (
             native.KV_STORAGE.get(data.dtype)
             if scales is not None and data.dtype in native.SCALED_STORAGE and data.device.type == "cpu"
-            and data.is_contiguous() and scales.is_contiguous()
+            and data.is_contiguous() and scales.is_contiguous() and not kv_dtype.per_token
             else None
         )
 
@@ -269,6 +286,11 @@ class QuantizedKVCache:
         two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
         flat = _raw(self.data).view(2, num_kv_heads, num_blocks * block_size, head_dim)
         kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, T, D]
+        if self.kv_dtype.per_token:  # each token its own scale: quantized once, never rewritten
+            scale = token_scales(kv, self.kv_dtype.qmax)  # [2, Hkv, T] float16
+            flat.index_copy_(2, slot_mapping, quantize(kv, scale.float()[..., None], self.kv_dtype))
+            self.scales.view(2, num_kv_heads, num_blocks * block_size).index_copy_(2, slot_mapping, scale)
+            return
         if self.scales is None:
             flat.index_copy_(2, slot_mapping, kv.to(self.data.dtype))
             return
@@ -320,7 +342,8 @@ class QuantizedKVCache:
             out = self._gather_native(block_ids, out_dtype)
             if out is not None:
                 return out
-        scale = self.scales.index_select(2, block_ids)[..., None, None]
+        scale = self.scales.index_select(2, block_ids)
+        scale = scale.float()[..., None] if self.kv_dtype.per_token else scale[..., None, None]
         return dequantize(self.data.index_select(2, block_ids), scale, out_dtype)
 
     # -- native kernels (kvtier/model/csrc/kv_quant.c) --------------------------------------
@@ -355,6 +378,21 @@ class QuantizedKVCache:
         if rc == native.BAD_INDEX:
             raise IndexError(f"KV write: a slot is outside 0 .. {num_blocks * block_size - 1}")
         return rc == 0
+
+
+FP16_MIN_SCALE, FP16_MAX_SCALE = 2.0**-14, 2.0**15
+"""Per-token float16 scales stay normal (full precision) and finite: a token whose largest |value| is
+below 2^-14 * qmax is quantized a little coarser; one above 2^15 * qmax saturates."""
+
+
+def token_scales(kv: torch.Tensor, qmax: float) -> torch.Tensor:
+    """One scale per token: kv [..., T, D] -> float16 [..., T] (|value| max / qmax, clamped)."""
+    return (kv.abs().amax(-1).float() / qmax).clamp_(FP16_MIN_SCALE, FP16_MAX_SCALE).to(torch.float16)
+
+
+@functools.cache
+def _hadamard_cached(dim: int) -> torch.Tensor:
+    return hadamard(dim)
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

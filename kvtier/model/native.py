@@ -64,8 +64,9 @@ _SIGNATURES = {
         # in_kind, slots, num_tokens
         "kvt_write": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int, _ptr, _i64, _ptr, _i64, _int, _ptr, _i64],
                       _int),
-        # pool, scales (or NULL), rows, num_blocks, row_bytes, ids, packed (void*[n]), n, into_pool
-        "kvt_move_blocks": ([_ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
+        # pool, scales (or NULL), scale bytes per row and block, rows, num_blocks, row_bytes, ids,
+        # packed (void*[n]), n, into_pool
+        "kvt_move_blocks": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
     },
     "paged_attention": {
         "kvt_has_decode_attention": ([], _int),
@@ -74,10 +75,11 @@ _SIGNATURES = {
         # block_size, dim, sm_scale, variant (CHUNK_DPBF16 / CHUNK_FMA)
         "kvt_chunk_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
                                 _int),
-        # q, q_kind, out, pool, kv_kind, scales (or NULL), block_tables, max_blocks, seq_lens, batch,
-        # num_heads, num_kv_heads, num_blocks, block_size, dim, sm_scale
-        "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64,
-                                  _i64, _i64, _f32], _int),
+        # q, q_kind, out, pool, kv_kind, scales (or NULL), scale_mode (SCALE_BLOCK / SCALE_TOKEN),
+        # block_tables, max_blocks, seq_lens, batch, num_heads, num_kv_heads, num_blocks, block_size, dim,
+        # sm_scale
+        "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64,
+                                  _i64, _i64, _i64, _f32], _int),
     },
     "layer_ops": {
         "kvt_has_layer_ops": ([], _int),
@@ -102,6 +104,8 @@ FLOAT_KIND = {torch.float32: 0, torch.bfloat16: 1}
 KV_STORAGE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1, torch.int8: 2, torch.float32: 3, torch.bfloat16: 4}
 """KV storage dtypes (KVS_* of csrc/kv_common.h; the first three carry scales)."""
 SCALED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
+SCALE_BLOCK, SCALE_TOKEN = 0, 1
+"""KV scale layouts (KVT_SCALE_* of csrc/kv_common.h): one float32 per block, one float16 per token."""
 BAD_INDEX = -1
 """A block id, slot or length outside the pool (the caller raises IndexError)."""
 

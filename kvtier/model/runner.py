@@ -6,6 +6,7 @@
 KV pool: one zero-initialised tensor for all layers (layout: see kvtier.model.attention),
     kv_pool   [num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]
     kv_scales [num_layers, 2 (K, V), num_kv_heads, num_blocks] float32   (quantized KV only)
+              [num_layers, 2, num_kv_heads, num_blocks, block_size] float16 (per-token scales: int8_tok)
 in the storage dtype of `kv_cache_dtype` (default: the model dtype; see kvtier.model.kv_quant).
 `kv_caches[l]` is layer l's view: a plain tensor, or a `QuantizedKVCache` (pool view + scales view)
 when the KV dtype is not the model dtype. Block b of every layer is `kv_pool[:, :, :, b]` (plus
@@ -114,7 +115,10 @@ class ModelRunner:
         arch = self.arch
         num_kv_rows = 2 * arch.num_layers * arch.num_kv_heads
         self.kv_data_bytes_per_block = num_kv_rows * block_size * arch.head_dim * self.kv_spec.elem_bytes
-        self.kv_scale_bytes_per_block = num_kv_rows * 4 if self.kv_spec.quantized else 0
+        self.kv_scale_bytes_per_row = (0 if not self.kv_spec.quantized else
+                                       block_size * 2 if self.kv_spec.per_token else 4)
+        """Scale bytes per (layer, K/V, KV head) of a block."""
+        self.kv_scale_bytes_per_block = num_kv_rows * self.kv_scale_bytes_per_row
         self.kv_bytes_per_block = self.kv_data_bytes_per_block + self.kv_scale_bytes_per_block
         self.kv_bytes_per_token: int | float = (
             self.kv_bytes_per_block // block_size if self.kv_bytes_per_block % block_size == 0
@@ -130,11 +134,12 @@ class ModelRunner:
         )
         self.attn_backend.bind_pool(self.kv_dtype, self.dtype, self.device)
         self.kv_scales: torch.Tensor | None = None
-        self.static_kv_scales = read_kv_scales(self.model_dir, arch.num_layers) if self.kv_spec.quantized else None
+        self.static_kv_scales = (read_kv_scales(self.model_dir, arch.num_layers)
+                                 if self.kv_spec.quantized and not self.kv_spec.per_token else None)
         if self.kv_spec.quantized:
-            self.kv_scales = torch.zeros(
-                (arch.num_layers, 2, arch.num_kv_heads, self.num_blocks), dtype=torch.float32, device=self.device
-            )
+            per_token = (self.block_size,) if self.kv_spec.per_token else ()
+            self.kv_scales = torch.zeros((arch.num_layers, 2, arch.num_kv_heads, self.num_blocks, *per_token),
+                                         dtype=self.kv_spec.scale_dtype, device=self.device)
             if self.static_kv_scales is not None:
                 self._fill_static_scales(self.static_kv_scales)
         self.kv_caches: list[KVCache] = self._layer_caches()
@@ -176,7 +181,7 @@ class ModelRunner:
         data = self.kv_pool.index_select(3, index).permute(3, 0, 1, 2, 4, 5).contiguous()
         if self.kv_scales is None:
             return data
-        scales = self.kv_scales.index_select(3, index).permute(3, 0, 1, 2).contiguous()
+        scales = self.kv_scales.index_select(3, index).movedim(3, 0).contiguous()
         return torch.cat((data.view(torch.uint8).view(len(block_ids), -1),
                           scales.view(torch.uint8).view(len(block_ids), -1)), dim=1)
 
@@ -191,7 +196,7 @@ class ModelRunner:
         # byte views: CPU index_copy_ has no float8 kernel
         pool = self.kv_pool.view(torch.int8) if self.kv_dtype.itemsize == 1 else self.kv_pool
         pool.index_copy_(3, index, data.view(pool.dtype).permute(1, 2, 3, 0, 4, 5))
-        self.kv_scales.index_copy_(3, index, scales.permute(1, 2, 3, 0))
+        self.kv_scales.index_copy_(3, index, scales.movedim(0, 3))
 
     @torch.no_grad()
     def read_block_list(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
@@ -293,6 +298,7 @@ class ModelRunner:
         pointers = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t in packed])
         rc = lib.kvt_move_blocks(
             self.kv_pool.data_ptr(), self.kv_scales.data_ptr() if self.kv_scales is not None else None,
+            self.kv_scale_bytes_per_row,
             arch.num_layers * 2 * arch.num_kv_heads, self.num_blocks,
             self.block_size * arch.head_dim * self.kv_spec.elem_bytes, ids.data_ptr(), pointers, len(packed),
             int(into_pool),
@@ -302,7 +308,8 @@ class ModelRunner:
         return True
 
     def _unpack(self, packed: torch.Tensor, num_blocks: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed uint8 block(s) -> data [(n,) L, 2, Hkv, bs, D] (storage dtype), scales [(n,) L, 2, Hkv]."""
+        """Packed uint8 block(s) -> data [(n,) L, 2, Hkv, bs, D] (storage dtype), scales [(n,) L, 2, Hkv]
+        (per-token: [(n,) L, 2, Hkv, bs] float16)."""
         rows = 1 if num_blocks is None else num_blocks
         if packed.dtype != torch.uint8 or packed.numel() != rows * self.kv_bytes_per_block:
             raise ValueError(
@@ -314,14 +321,19 @@ class ModelRunner:
         if num_blocks is None:  # one block (a tier restore): views of the flat bytes, no copies
             packed = packed.reshape(-1)
             data = packed[: self.kv_data_bytes_per_block].view(self.kv_dtype)
-            scales = packed[self.kv_data_bytes_per_block :].view(torch.float32)
+            scales = packed[self.kv_data_bytes_per_block :].view(self.kv_spec.scale_dtype)
             return (data.view(arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
-                    scales.view(arch.num_layers, 2, arch.num_kv_heads))
+                    scales.view(arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims))
         packed = packed.view(rows, self.kv_bytes_per_block)
         data = packed[:, : self.kv_data_bytes_per_block].contiguous().view(self.kv_dtype)
-        scales = packed[:, self.kv_data_bytes_per_block :].contiguous().view(torch.float32)
+        scales = packed[:, self.kv_data_bytes_per_block :].contiguous().view(self.kv_spec.scale_dtype)
         return (data.view(rows, arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
-                scales.view(rows, arch.num_layers, 2, arch.num_kv_heads))
+                scales.view(rows, arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims))
+
+    @property
+    def _per_token_dims(self) -> tuple[int, ...]:
+        """The trailing scale dimension of a block: (block_size,) for per-token scales, else ()."""
+        return (self.block_size,) if self.kv_spec.per_token else ()
 
     def _copy_blocks(self, copies: list[BlockCopy]) -> None:
         for c in copies:

@@ -85,7 +85,7 @@ def test_same_dtype_as_reference_has_zero_drift_and_quantized_has_some(model_and
 def test_default_compares_every_kv_dtype_but_the_reference(model_and_text):
     res = evaluate_kv(config(model_and_text, context_lengths=(24,), num_windows=1))
     compared = [r.kv_dtype for r in res.rows if not r.reference]
-    assert compared == ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "fp8_e4m3_rot"]
+    assert compared == ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "int8_tok", "fp8_e4m3_rot"]
 
 
 def test_config_and_text_errors(model_and_text, tmp_path):

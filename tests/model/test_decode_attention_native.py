@@ -16,7 +16,7 @@ from kvtier.sched.output import ScheduledSeq
 pytestmark = pytest.mark.skipif(native.paged_attention_lib() is None,
                                 reason="no native decode attention here (needs a C compiler and AVX-512)")
 
-KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "fp8_e4m3_rot"]
+KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "int8_tok", "fp8_e4m3_rot"]
 LENGTHS = [1, 3, 16, 17, 40, 333]
 
 
@@ -28,6 +28,10 @@ def make_cache(name: str, model_dtype: torch.dtype, heads: int, num_blocks: int,
     x = torch.randn(2, heads, num_blocks, block_size, dim, generator=g)
     if not spec.quantized:
         return x.to(model_dtype) if spec.storage == model_dtype else QuantizedKVCache(x.to(spec.storage), None, spec)
+    if spec.per_token:  # one float16 scale per token
+        scales = (torch.empty(2, heads, num_blocks, block_size).uniform_(0.5, 2.0, generator=g) / spec.qmax).half()
+        codes = (x / 3 / scales.float()[..., None]).clamp(-spec.qmax, spec.qmax).round().to(torch.int8)
+        return QuantizedKVCache(codes, scales, spec)
     scales = torch.empty(2, heads, num_blocks).uniform_(0.5, 2.0, generator=g) / spec.qmax
     codes = (x / 3 / scales[..., None, None]).clamp(-spec.qmax, spec.qmax)
     codes = codes.round().to(torch.int8) if spec.storage == torch.int8 else codes.to(spec.storage)

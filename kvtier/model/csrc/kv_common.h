@@ -10,6 +10,8 @@
 enum { KVS_E4M3 = 0, KVS_E5M2 = 1, KVS_INT8 = 2, KVS_F32 = 3, KVS_BF16 = 4 };
 /* float formats of queries, new K/V rows and outputs */
 enum { KVT_F32 = 0, KVT_BF16 = 1 };
+/* KV scales: one float32 per (K/V, head, block), or one float16 per (K/V, head, block, token) */
+enum { KVT_SCALE_BLOCK = 0, KVT_SCALE_TOKEN = 1 };
 /* return codes; KVT_REGROUP: the caller leaves this call to the torch ops */
 enum { KVT_OK = 0, KVT_REGROUP = 1, KVT_BAD_INDEX = -1, KVT_UNSUPPORTED = -2 };
 

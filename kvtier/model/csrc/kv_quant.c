@@ -265,12 +265,14 @@ int kvt_write(int8_t *data, float *scales, int64_t heads, int64_t num_blocks, in
 /* ---- whole blocks in and out of the pool (tier stores and restores) --------------------------- */
 
 /* The pool of every layer: [rows, num_blocks, row_bytes] with rows = layers * 2 * heads, plus, when
- * quantized, scales [rows, num_blocks]. A block outside the pool is packed as rows * row_bytes data
- * bytes followed (quantized) by its rows float32 scales: what ModelRunner.read_block returns. */
+ * quantized, scales [rows, num_blocks, scale_bytes] (scale_bytes: 4 for one float32 per block, 2 *
+ * block_size for one float16 per token). A block outside the pool is packed as rows * row_bytes data
+ * bytes followed (quantized) by its rows * scale_bytes scale bytes: what ModelRunner.read_block
+ * returns. */
 typedef struct {
     char *pool;
-    float *scales; /* NULL: unquantized */
-    int64_t rows, num_blocks, row_bytes;
+    char *scales; /* NULL: unquantized */
+    int64_t rows, num_blocks, row_bytes, scale_bytes;
 } BlockPool;
 
 static int check_ids(const int64_t *ids, int64_t n, int64_t num_blocks) {
@@ -291,20 +293,20 @@ static void move_rows(const BlockPool *p, const int64_t *ids, char *const *packe
     }
     if (p->scales == NULL) return;
     for (int64_t i = 0; i < n; i++) {
-        float *tail = (float *)(packed[i] + p->rows * p->row_bytes);
+        char *tail = packed[i] + p->rows * p->row_bytes;
         for (int64_t row = 0; row < p->rows; row++) {
-            float *in_pool = &p->scales[row * p->num_blocks + ids[i]];
-            if (into_pool) memcpy(in_pool, &tail[row], sizeof(float));
-            else memcpy(&tail[row], in_pool, sizeof(float));
+            char *in_pool = p->scales + (row * p->num_blocks + ids[i]) * p->scale_bytes;
+            if (into_pool) memcpy(in_pool, tail + row * p->scale_bytes, (size_t)p->scale_bytes);
+            else memcpy(tail + row * p->scale_bytes, in_pool, (size_t)p->scale_bytes);
         }
     }
 }
 
 /* into_pool = 1: packed[i] -> pool block ids[i] (a restore); 0: the other way (a store) */
-int kvt_move_blocks(char *pool, float *scales, int64_t rows, int64_t num_blocks, int64_t row_bytes,
-                    const int64_t *ids, char *const *packed, int64_t n, int into_pool) {
+int kvt_move_blocks(char *pool, char *scales, int64_t scale_bytes, int64_t rows, int64_t num_blocks,
+                    int64_t row_bytes, const int64_t *ids, char *const *packed, int64_t n, int into_pool) {
     if (!check_ids(ids, n, num_blocks)) return KVT_BAD_INDEX;
-    const BlockPool p = {pool, scales, rows, num_blocks, row_bytes};
+    const BlockPool p = {pool, scales, rows, num_blocks, row_bytes, scale_bytes};
     move_rows(&p, ids, packed, n, into_pool);
     return KVT_OK;
 }

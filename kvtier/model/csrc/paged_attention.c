@@ -15,7 +15,8 @@
  * point reports KVT_UNSUPPORTED and the caller uses torch's SDPA.
  *
  * Layouts: q, out [B, Hq, D] contiguous; one layer's pool [2, Hkv, num_blocks, block_size, D];
- * scales [2, Hkv, num_blocks] float32 or NULL; block_tables [B, max_blocks]; seq_lens [B].
+ * scales NULL, [2, Hkv, num_blocks] float32 (one per block, KVT_SCALE_BLOCK) or [2, Hkv, num_blocks,
+ * block_size] float16 (one per token, KVT_SCALE_TOKEN); block_tables [B, max_blocks]; seq_lens [B].
  */
 #include <math.h>
 #include <stdint.h>
@@ -105,9 +106,11 @@ static void store_row(void *out, int out_kind, const float *x, int64_t dim) {
 
 typedef struct {
     const char *pool;
-    const float *scales;
+    const void *scales; /* NULL, float32 [2, Hkv, num_blocks] (KVT_SCALE_BLOCK) or float16 [2, Hkv, num_blocks,
+                           block_size] (KVT_SCALE_TOKEN) */
     int kind;
     int64_t heads, num_blocks, block_size, dim, elem;
+    int scale_mode;
 } Layer;
 
 static inline const char *kv_row(const Layer *L, int which, int64_t head, int64_t block, int64_t slot) {
@@ -137,8 +140,21 @@ static inline __attribute__((always_inline)) void attend_kind(const Layer *L, co
         const int64_t block = table[start / bs], slot0 = start % bs;
         int64_t count = seq_len - start < CHUNK ? seq_len - start : CHUNK;
         if (count > bs - slot0) count = bs - slot0; /* a chunk stays in one block */
-        const float ks = (L->scales ? L->scales[head * L->num_blocks + block] : 1.0f) * unbias(kind) * sm_scale;
-        const float vs = (L->scales ? L->scales[(L->heads + head) * L->num_blocks + block] : 1.0f) * unbias(kind);
+        __m512 ksv, vsv; /* per token of the chunk: the K and V scales (times the fp8 unbias; K's times sm_scale) */
+        if (L->scale_mode == KVT_SCALE_TOKEN) {
+            const uint16_t *kt = (const uint16_t *)L->scales + (head * L->num_blocks + block) * bs + slot0;
+            const uint16_t *vt = (const uint16_t *)L->scales + ((L->heads + head) * L->num_blocks + block) * bs + slot0;
+            uint16_t kh[CHUNK] = {0}, vh[CHUNK] = {0};
+            memcpy(kh, kt, (size_t)count * sizeof(uint16_t));
+            memcpy(vh, vt, (size_t)count * sizeof(uint16_t));
+            ksv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)kh)),
+                                _mm512_set1_ps(unbias(kind) * sm_scale));
+            vsv = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)vh)), _mm512_set1_ps(unbias(kind)));
+        } else {
+            const float *fs = (const float *)L->scales;
+            ksv = _mm512_set1_ps((fs ? fs[head * L->num_blocks + block] : 1.0f) * unbias(kind) * sm_scale);
+            vsv = _mm512_set1_ps((fs ? fs[(L->heads + head) * L->num_blocks + block] : 1.0f) * unbias(kind));
+        }
         for (int64_t t = 0; t < count; t++) {
             const char *krow = kv_row(L, 0, head, block, slot0 + t);
             __m512 k[MAX_DIM / 16];
@@ -151,7 +167,7 @@ static inline __attribute__((always_inline)) void attend_kind(const Layer *L, co
         }
         const __mmask16 live = (__mmask16)((1u << count) - 1u);
         for (int64_t g = 0; g < group; g++) {
-            const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, sum16(part[g]), _mm512_set1_ps(ks));
+            const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, sum16(part[g]), ksv);
             const float m_new = fmaxf(m[g], _mm512_reduce_max_ps(s));
             const float correction = expf(m[g] - m_new); /* 0 for the first chunk (m = -inf) */
             const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
@@ -159,7 +175,7 @@ static inline __attribute__((always_inline)) void attend_kind(const Layer *L, co
             m[g] = m_new;
             if (correction != 1.0f)
                 for (int64_t c = 0; c < nv; c++) acc[g][c] = _mm512_mul_ps(acc[g][c], _mm512_set1_ps(correction));
-            _mm512_store_ps(weights[g], _mm512_mul_ps(p, _mm512_set1_ps(vs)));
+            _mm512_store_ps(weights[g], _mm512_mul_ps(p, vsv));
             for (int64_t t = count; t < CHUNK; t++) part[g][t] = _mm512_setzero_ps(); /* stale past count */
         }
         for (int64_t t = 0; t < count; t++) {
@@ -202,13 +218,14 @@ static inline void load_row_f32(const void *src, int kind, int64_t n, float *dst
     }
 }
 
-int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool, int kv_kind, const float *scales,
-                         const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t batch,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                         int64_t dim, float sm_scale) {
+int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool, int kv_kind, const void *scales,
+                         int scale_mode, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
+                         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                         int64_t block_size, int64_t dim, float sm_scale) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > MAX_GROUP ||
         dim % 16 != 0 || dim > MAX_DIM || block_size <= 0 || kv_kind < KVS_E4M3 || kv_kind > KVS_BF16 ||
-        (q_kind != KVT_F32 && q_kind != KVT_BF16) || ((kv_kind <= KVS_INT8) != (scales != NULL)))
+        (q_kind != KVT_F32 && q_kind != KVT_BF16) || ((kv_kind <= KVS_INT8) != (scales != NULL)) ||
+        (scales != NULL && scale_mode != KVT_SCALE_BLOCK && scale_mode != KVT_SCALE_TOKEN))
         return KVT_UNSUPPORTED;
     for (int64_t b = 0; b < batch; b++) {
         if (seq_lens[b] <= 0 || seq_lens[b] > max_blocks * block_size) return KVT_BAD_INDEX;
@@ -217,7 +234,8 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
                 return KVT_BAD_INDEX;
     }
     static const int64_t elem_of[] = {1, 1, 1, 4, 2};
-    const Layer L = {(const char *)pool, scales, kv_kind, num_kv_heads, num_blocks, block_size, dim, elem_of[kv_kind]};
+    const Layer L = {(const char *)pool, scales, kv_kind, num_kv_heads, num_blocks, block_size, dim, elem_of[kv_kind],
+                     scales != NULL ? scale_mode : KVT_SCALE_BLOCK};
     const int64_t group = num_heads / num_kv_heads, q_elem = q_kind == KVT_BF16 ? 2 : 4;
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t task = 0; task < batch * num_kv_heads; task++) {
@@ -487,7 +505,7 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
     if (table_len * block_size < end) return KVT_BAD_INDEX;
     for (int64_t j = 0; j < (end + block_size - 1) / block_size; j++)
         if (table[j] < 0 || table[j] >= num_blocks) return KVT_BAD_INDEX;
-    const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2};
+    const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2, KVT_SCALE_BLOCK};
     const int64_t group = num_heads / num_kv_heads, tile = TILE_ROWS / group;
     const int64_t tiles = (num_tokens + tile - 1) / tile;
     /* the last tiles see the most keys: hand them out first */
@@ -508,11 +526,11 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
 
 int kvt_has_decode_attention(void) { return 0; }
 
-int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool, int kv_kind, const float *scales,
-                         const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens, int64_t batch,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks, int64_t block_size,
-                         int64_t dim, float sm_scale) {
-    (void)q; (void)q_kind; (void)out; (void)pool; (void)kv_kind; (void)scales; (void)block_tables;
+int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool, int kv_kind, const void *scales,
+                         int scale_mode, const int64_t *block_tables, int64_t max_blocks, const int64_t *seq_lens,
+                         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t num_blocks,
+                         int64_t block_size, int64_t dim, float sm_scale) {
+    (void)scale_mode; (void)q; (void)q_kind; (void)out; (void)pool; (void)kv_kind; (void)scales; (void)block_tables;
     (void)max_blocks; (void)seq_lens; (void)batch; (void)num_heads; (void)num_kv_heads; (void)num_blocks;
     (void)block_size; (void)dim; (void)sm_scale;
     return KVT_UNSUPPORTED;
