@@ -262,12 +262,17 @@ def _four_ways(path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[st
       f"disk {disk_dir}{' (temporary)' if own_dir else ''}")
     results: dict[str, list[Any]] = {"device": [], "host": [], "disk": [], "recompute": []}
 
+    filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
+
     def push_out(llm, round_: int) -> None:
+        """Unrelated prompts of pool + 2 blocks in all (sized in tokens, whatever the tokenizer)."""
         filled, i = 0, 0
         while filled < pool + 2:
             blocks = min(prompt_blocks, pool + 2 - filled)
-            text = f"{round_}.{i} " + FILLER_TEXT * (blocks * bs // len(FILLER_TEXT) + 1)
-            llm.generate(_no_bos(tokenizer, text, max(blocks * bs - 1, 1)), one)
+            need = max(blocks * bs - 1, 1)
+            ids = tokenizer.encode(f"{round_}.{i} ", add_special_tokens=False)
+            ids = (ids + filler * (need // len(filler) + 1))[:need]
+            llm.generate({"prompt_token_ids": ids}, one)
             filled += blocks
             i += 1
 

@@ -164,7 +164,8 @@ longer ones repeat KV per query head instead, so that one [n, seq_len] mask serv
 NATIVE_CHUNK_MAX_TOKENS = 8
 """Prefill chunks over a cached prefix up to this many tokens run as rows of the native paged
 decode kernel (no gathered copy of the prefix) where the chunk kernel does not serve (a float32
-or quantized pool); longer ones measured faster through gather + SDPA (docs/benchmarks.md)."""
+or quantized pool), or where it serves but rows measure faster (`decode_rows_beat_chunk_kernel`);
+longer ones measured faster through gather + SDPA (docs/benchmarks.md)."""
 
 
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -212,6 +213,46 @@ def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
     return CHUNK_FMA if best[CHUNK_FMA] * 1.1 <= best[CHUNK_DPBF16] else CHUNK_DPBF16
 
 
+@functools.cache
+def decode_rows_beat_chunk_kernel(num_heads: int, num_kv_heads: int, head_dim: int, variant: int,
+                                  repeats: int = 5) -> bool:
+    """Whether a short chunk over a cached prefix (4 tokens over 1,024) runs faster as rows of the
+    decode kernel (each KV head's rows in parallel) than as one chunk-kernel call (one tile per KV
+    head: few tasks for few rows), timed here once per process and head shape (least of `repeats`,
+    interleaved); short chunks (up to NATIVE_CHUNK_MAX_TOKENS) then take the faster one."""
+    lib = native.chunk_attention_lib()
+    block_size, start, n = 16, 1024, 4
+    num_blocks = (start + n) // block_size + 1
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    table = torch.arange(num_blocks, dtype=torch.long)
+    tables = table.repeat(n, 1)
+    lens = torch.arange(start + 1, start + n + 1, dtype=torch.long)
+    scale = head_dim ** -0.5
+
+    def chunk() -> int:
+        return lib.kvt_chunk_attention(q.data_ptr(), out.data_ptr(), pool.data_ptr(), table.data_ptr(), num_blocks,
+                                       start, n, num_heads, num_kv_heads, num_blocks, block_size, head_dim, scale,
+                                       variant)
+
+    def rows() -> int:
+        return lib.kvt_decode_attention(q.data_ptr(), native.FLOAT_KIND[torch.bfloat16], out.data_ptr(),
+                                        pool.data_ptr(), native.KV_STORAGE[torch.bfloat16], None, native.SCALE_BLOCK,
+                                        tables.data_ptr(), num_blocks, lens.data_ptr(), n, num_heads, num_kv_heads,
+                                        num_blocks, block_size, head_dim, scale)
+
+    best = {chunk: float("inf"), rows: float("inf")}
+    for _ in range(repeats + 1):
+        for fn in best:
+            t = time.perf_counter()
+            if fn() != 0:
+                return False
+            best[fn] = min(best[fn], time.perf_counter() - t)
+    return best[rows] * 1.1 <= best[chunk]
+
+
 class TorchPagedAttention(AttentionBackend):
     """Plain PyTorch paged attention over `F.scaled_dot_product_attention`; runs on any device.
 
@@ -238,6 +279,8 @@ class TorchPagedAttention(AttentionBackend):
         self.native_chunk_max_tokens = 0 if chunk_kernel else NATIVE_CHUNK_MAX_TOKENS
         if chunk_kernel:
             self.chunk_variant = chunk_variant(self.num_heads, self.num_kv_heads, self.head_dim)
+            if decode_rows_beat_chunk_kernel(self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_variant):
+                self.native_chunk_max_tokens = NATIVE_CHUNK_MAX_TOKENS
 
     @staticmethod
     def _native_paged(device: torch.device) -> bool:
