@@ -39,7 +39,7 @@ def _scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
         for s in family.samples:
-            if s.name.startswith("kvtier:kv_drift") and not s.labels:
+            if s.name.startswith("kvtier:kv_drift") and set(s.labels) <= {"model_name"}:
                 out[s.name.removeprefix("kvtier:")] = s.value
     return out
 

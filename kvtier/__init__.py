@@ -25,9 +25,11 @@ except ValueError as _e:  # a bad KVTIER_OMP_WAIT: say so, keep libgomp's defaul
 _EXPORTS = {
     "LLM": "kvtier.llm",
     "SamplingParams": "kvtier.sampling_params",
+    "StructuredOutputsParams": "kvtier.structured",
     "RequestOutput": "kvtier.outputs",
     "CompletionOutput": "kvtier.outputs",
     "RequestMetrics": "kvtier.outputs",
+    "Logprob": "kvtier.outputs",
 }
 __all__ = list(_EXPORTS)
 

@@ -45,6 +45,10 @@ class CacheConfig:
     """Reuse KV of equal prefixes across requests."""
     eviction_policy: str = "lru"
     """'lru' or 'lfu'."""
+    memory_fraction: float | None = None
+    """Without num_device_blocks / kv_cache_bytes: the share of the device memory available after
+    the weights that the pool takes (vLLM's gpu_memory_utilization; default 0.25, capped at 4 GiB
+    only when not given)."""
     kv_cache_dtype: str = "auto"
     """How cached tokens are stored, on the device and in every tier: 'auto' (the model dtype),
     'bfloat16', 'float16', 'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte, per-block scales)."""
@@ -58,6 +62,8 @@ class CacheConfig:
             raise ValueError("num_device_blocks must be >= 1")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be >= 1")
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.memory_fraction}")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ class LLM:
     a default share of memory). `seed` seeds requests that do not carry their own.
     `kv_drift_sample_rate`: the fraction of requests re-computed with full-precision KV after
     they finish, to measure what the KV dtype costs (`engine.drift.stats`; kvtier.engine.drift).
+    `gpu_memory_utilization` (vLLM's name): without a pool size, the share of the memory
+    available after the weights that the KV pool takes (default 0.25, at most 4 GiB).
+    `generation_config`: 'auto' (default) takes sampling defaults from the checkpoint's
+    generation_config.json, 'vllm' ignores it, or a directory holding one (vLLM's meaning).
     `kv_cache_dtype` stores cached tokens as 'auto' (the model dtype), 'bfloat16', 'float16',
     'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte per value plus per-block scales: ~2x the
     tokens per byte of bfloat16, on the device and in every tier).
@@ -42,14 +46,16 @@ class LLM:
                  kv_key_dir: str | None = None,
                  tier_faults: dict[str, str] | None = None, kv_cache_dtype: str = "auto",
                  kv_drift_sample_rate: float = 0.0, cpu_threads_bind: str | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, generation_config: str = "auto",
+                 gpu_memory_utilization: float | None = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
                               max_model_len=max_model_len, tokenizer=tokenizer,
                               cpu_threads_bind=cpu_threads_bind, num_threads=num_threads),
             cache=CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
                               kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
-                              eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype),
+                              eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype,
+                              memory_fraction=gpu_memory_utilization),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy,
@@ -73,6 +79,14 @@ class LLM:
         self.engine = EngineCore(config, tokenizer=tok)
         self.tokenizer = tok
         self.config = config
+        from kvtier.sampling_params import generation_defaults
+        self._sampling_defaults = generation_defaults(str(model), generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens), as vLLM's; what `generate`
+        uses when given no SamplingParams. `generation_config='vllm'` turns them off."""
+        return SamplingParams(**self._sampling_defaults)
 
     @property
     def num_device_blocks(self) -> int:
@@ -111,7 +125,8 @@ class LLM:
         `prompt_token_ids` (and optionally its own `cache_salt`).
         """
         items = _as_list(prompts)
-        params = _broadcast(sampling_params or SamplingParams(), len(items), "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(items),
+                            "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(items)
         if len(prios) != len(items):
             raise ValueError(f"got {len(prios)} priorities for {len(items)} prompts")
@@ -125,12 +140,13 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids)
+        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, cache_salt: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this model directory has no tokenizer.json")
@@ -141,7 +157,12 @@ class LLM:
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt,
                                                                   **(chat_template_kwargs or {}))}
                    for c in convs]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt)
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self) -> Any:
+        """The tokenizer (kvtier.model.tokenizer.Tokenizer: `encode`, `decode`,
+        `apply_chat_template`), as vLLM's `LLM.get_tokenizer()`; None without one."""
+        return self.tokenizer
 
     def _prepare(self, p: PromptType, default_salt: str | None) -> tuple[str | None, list[int], str | None]:
         salt = default_salt
@@ -166,17 +187,33 @@ class LLM:
             raise ValueError("prompt_token_ids must be a list of integers")
         return text, list(token_ids), salt
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         want = set(ids)
         done: dict[str, RequestOutput] = {}
         engine = self.engine
-        while len(done) < len(want):
-            for out in engine.step():
-                if out.finished and out.request_id in want:
-                    done[out.request_id] = out
-            if not engine.has_unfinished and len(done) < len(want):
-                raise RuntimeError("engine stopped with requests unfinished")
+        bar = _progress(len(ids)) if use_tqdm else None
+        try:
+            while len(done) < len(want):
+                for out in engine.step():
+                    if out.finished and out.request_id in want:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not engine.has_unfinished and len(done) < len(want):
+                    raise RuntimeError("engine stopped with requests unfinished")
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
+
+
+def _progress(total: int) -> Any:
+    """A tqdm bar over the prompts (vLLM's `use_tqdm=True`); tqdm is an optional dependency."""
+    try:
+        from tqdm import tqdm
+    except ImportError as e:
+        raise ImportError("use_tqdm=True needs tqdm (pip install tqdm)") from e
+    return tqdm(total=total, desc="Processed prompts", unit="prompt")
 
 
 def _as_list(prompts: Any) -> list[PromptType]:

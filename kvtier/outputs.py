@@ -5,6 +5,33 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A log-probability that reads both as a float and as vLLM's `Logprob`
+    (`.logprob`, `.rank`: 1 for the most likely token; `.decoded_token`: the token's text).
+    Plain floats stay valid wherever a Logprob is expected: arithmetic and JSON see a float."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __str__(self) -> str:
+        return float.__repr__(self)
+
+    def __reduce__(self):
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -13,7 +40,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     """'stop', 'length', 'abort', or None while running."""
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    """Per generated token: token id -> Logprob, the sampled token and the top-k."""
     cumulative_logprob: float | None = None
 
     @property
@@ -62,6 +90,9 @@ class RequestOutput:
     """Prompt tokens computed for this request."""
     num_preemptions: int = 0
     restore_decision: str | None = None
+    """With tiers: 'none' (nothing stored), 'recompute', 'restore' or 'partial'."""
     restore_s: float = 0.0
     """Seconds spent loading KV from tiers below the device (queue wait included)."""
-    """With tiers: 'none' (nothing stored), 'recompute', 'restore' or 'partial'."""
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With SamplingParams.prompt_logprobs: per prompt position, the log-probability of the
+    prompt's token there (and the top-k), None at position 0 (nothing predicts it)."""

@@ -106,8 +106,34 @@ def _compression(text: str) -> str | None:
     return value
 
 
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bfloat": "bfloat16", "fp16": "float16",
+                  "fp32": "float32", "bf16": "bfloat16"}
+_KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
+def _dtype(text: str) -> str:
+    value = _DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(DTYPES)}, "
+                                         "half, float)")
+    return value
+
+
+def _kv_dtype(text: str) -> str:
+    value = _KV_DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
+    if value not in KV_CACHE_DTYPES:
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from "
+                                         f"{', '.join(KV_CACHE_DTYPES)}, fp8)")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
-    """Reports every usage error as `kvtier: error: ...` (exit 2), subcommands included."""
+    """Reports every usage error as `kvtier: error: ...` (exit 2), subcommands included. No
+    abbreviated flags: `--api-key` must never be taken for `--api-keys`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
@@ -120,22 +146,33 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
     """The engine flags (LLM's constructor) and the tier flags, for every engine-building command.
     Defaults are None: a flag that is not given leaves the LLM default in place."""
     e = parser.add_argument_group("engine")
-    e.add_argument("--dtype", choices=DTYPES, default=None, help=f"weights and KV dtype ({dtype_help})")
+    e.add_argument("--dtype", type=_dtype, default=None, metavar="{" + ",".join(DTYPES) + "}",
+                   help=f"weights and KV dtype ({dtype_help}); vLLM's half, float and bfloat16 too")
     e.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 16)")
-    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+    e.add_argument("--kv-cache-dtype", type=_kv_dtype, default=None,
+                   metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                    help="how cached tokens are stored, on the device and in every tier (default auto: the "
-                        "model dtype); fp8_e4m3, fp8_e5m2 and int8 hold ~2x the tokens of bfloat16")
+                        "model dtype); the 1-byte ones hold ~2x the tokens of bfloat16 (vLLM's fp8 is "
+                        "fp8_e4m3)")
+    e.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
+                   help="context length in tokens, prompt and output (default: the checkpoint's)")
     pool = e.add_mutually_exclusive_group()
     pool.add_argument("--num-device-blocks", type=_positive_int, default=None,
                       help="blocks in the device KV pool")
     pool.add_argument("--kv-cache-bytes", type=_size, default=None, metavar="SIZE",
                       help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)")
+    pool.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
+                      help="the share of the memory available after the weights that the KV pool takes "
+                      "(vLLM's name; default 0.25, at most 4GiB)")
     e.add_argument("--max-num-seqs", type=_positive_int, default=None, help="running sequences at most (default 64)")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
                    help="tokens per step at most (default 2048)")
     e.add_argument("--seed", type=_int, default=None, help="seed of requests without their own (default 0)")
-    e.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None,
+    e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", default=None,
                    help="do not reuse KV across requests (tiers below the device need it)")
+    e.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
+                   default=None, help="reuse KV across requests (the default)")
     e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
     e.add_argument("--cpu-threads-bind", default=None, metavar="auto|nobind|CPUS",
@@ -174,9 +211,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "defau
                    help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR")
 
 
-ENGINE_KEYS = ("dtype", "kv_cache_dtype", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
+ENGINE_KEYS = ("dtype", "kv_cache_dtype", "max_model_len", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
                "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
-               "scheduling_policy", "kv_drift_sample_rate", "cpu_threads_bind", "num_threads")
+               "scheduling_policy", "kv_drift_sample_rate", "cpu_threads_bind", "num_threads",
+               "gpu_memory_utilization")
 TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
              "remote_ttl_s", "remote_timeout_s", "restore_policy", "cache_write_policy", "cache_compression", "tier_faults",
              "kv_key_dir")
@@ -251,6 +289,56 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier.model.gguf import is_gguf, open_checkpoint
+
+    if not is_gguf(args.gguf):
+        raise ValueError(f"{args.gguf} is not a .gguf file")
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    out = open_checkpoint(args.gguf).save_pretrained(args.out_dir, dtype)
+    print(f"wrote {out}")
+    return 0
+
+
+def _structured_config(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+    backend = value.pop("backend", "auto")
+    if backend not in ("auto", "guidance", "llguidance"):
+        raise argparse.ArgumentTypeError(f"backend {backend!r}: kvtier's grammar engine is llguidance "
+                                         "(auto or guidance)")
+    unknown = sorted(set(value) - {"disable_any_whitespace", "disable_additional_properties"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r}")
+    if not all(isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError("disable_any_whitespace / disable_additional_properties are booleans")
+    return value
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings, e.g. '[\"*\"]'")
+        return tuple(value)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -266,15 +354,40 @@ def _serve(args: argparse.Namespace) -> int:
     from kvtier.server.request_log import RequestLog
     from kvtier.server.tenancy import ApiKeyResolver, read_admin_key
 
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ValueError("serve needs a model: kvtier serve MODEL (a checkpoint directory or .gguf file)")
+    if args.api_key and args.api_keys:
+        raise ValueError("--api-key and --api-keys exclude each other: one shared key, or a file of "
+                         "keys and tenants")
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (as in vLLM)")
+    if args.tool_call_parser:
+        from kvtier.server.tools import make_parser
+        make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
+    names = tuple(args.served_model_name or (args.model,))
+    from kvtier.sampling_params import generation_defaults
+    defaults = generation_defaults(args.model, args.generation_config)
     config = ServerConfig(host=args.host, port=args.port,
-                          served_model_name=args.served_model_name or args.model,
+                          served_model_name=names[0], model_aliases=names[1:],
+                          allowed_origins=args.allowed_origins,
+                          enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+                          tool_call_parser=args.tool_call_parser,
+                          structured_defaults=tuple(sorted(args.structured_outputs_config.items())),
+                          sampling_defaults=tuple(sorted(defaults.items())),
                           max_body_bytes=args.max_body_bytes,
                           limits=RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
                                                max_seqs_per_request=args.max_seqs_per_request),
                           ttl_sweep_interval_s=args.ttl_sweep_interval_s,
                           admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
-                          metrics_auth=args.metrics_auth, models_auth=args.models_auth)
+                          metrics_auth=args.metrics_auth,
+                          models_auth=args.models_auth or ("api_key" if args.api_key else "public"))
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
+    if args.api_key:
+        from kvtier.server.tenancy import DEFAULT_TENANT
+        tenants = ApiKeyResolver({key: DEFAULT_TENANT for key in args.api_key})
     if args.kv_master_key_file:
         from kvtier.tiers.keyring import read_master_key
         read_master_key(args.kv_master_key_file)  # a bad file fails before the model loads
@@ -286,12 +399,28 @@ def _serve(args: argparse.Namespace) -> int:
             with LLM(args.model, **args.engine_kwargs) as llm:
                 if args.kv_master_key_file:
                     llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
+                _use_chat_template(llm.tokenizer, args.chat_template)
                 return run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level,
                                   tenants=tenants, request_log=log)
         return _serve_engine_process(args, config, tenants, log)
     finally:
         if log is not None:
             log.close()
+
+
+def _use_chat_template(tokenizer: Any, template: str | None) -> None:
+    """--chat-template: a file's text, or the argument itself when it is no file."""
+    if template is None:
+        return
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a tokenizer; this model has none")
+    from pathlib import Path
+
+    path = Path(template)
+    text = path.read_text(encoding="utf-8") if path.is_file() else template
+    if "{" not in text:
+        raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+    tokenizer.set_chat_template(text)
 
 
 def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
@@ -303,6 +432,7 @@ def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, l
     from kvtier.server.tenancy import SingleTenantResolver
 
     tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
+    _use_chat_template(tokenizer, args.chat_template)
     ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
     fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
@@ -531,14 +661,46 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     g.set_defaults(func=_generate, subparser=g)
 
+    cv = sub.add_parser("convert", help="write a GGUF file as a Hugging Face safetensors directory",
+                        description="Dequantizes a .gguf checkpoint and writes config.json, "
+                        "model.safetensors, tokenizer.json and tokenizer_config.json (transformers 5 "
+                        "cannot save a GGUF-loaded model; vLLM's CPU build reads only safetensors).")
+    cv.add_argument("gguf", metavar="MODEL.gguf")
+    cv.add_argument("out_dir", metavar="OUT_DIR")
+    cv.add_argument("--dtype", type=_dtype, default="float32",
+                    help="the weights' dtype in the directory (default float32: exact for every GGUF type)")
+    cv.set_defaults(func=_convert, subparser=None)
+
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
                        description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
                        "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.")
-    s.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Hugging Face model directory or .gguf file (as vLLM's `vllm serve MODEL`)")
+    s.add_argument("--model", default=None, help="the same, as a flag")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="default 8000")
-    s.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id clients send (default: the --model argument)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may send; the first is the one /v1/models lists and "
+                   "responses carry (default: the model argument)")
+    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for what requests leave out: auto (default) reads the model's "
+                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+                   "max_new_tokens) as vLLM does; vllm: none; DIR: that folder's file")
+    s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
+    s.add_argument("--structured-outputs-config", type=_structured_config, default={}, metavar="JSON",
+                   help='as vLLM\'s: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
+                   '"disable_additional_properties": bool}; kvtier\'s grammar engine is llguidance')
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let tool_choice 'auto' read tool calls out of the model's text (needs "
+                   "--tool-call-parser), as vLLM")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the tool-call format of the model: hermes (Qwen, Hermes), llama3_json, mistral")
+    s.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="JSON|LIST",
+                   help='CORS origins, a JSON list or comma-separated (default ["*"]; [] turns CORS off)')
+    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info (special tokens and chat template; lm-eval's remote "
+                   "tokenizer reads it), off by default as in vLLM")
     s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="SIZE",
                    help="larger request bodies get a 413 (default 4MiB)")
     s.add_argument("--max-prompts-per-request", type=_positive_int, default=128, metavar="N",
@@ -548,6 +710,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request asking for more sequences (prompts x n) gets a 400 (default 256)")
     s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
                    default="info", help="uvicorn's log level (default info)")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="as vLLM: requests need one of these bearer keys (one tenant; --api-keys gives "
+                   "each key its own tenant)")
     s.add_argument("--api-keys", default=None, metavar="FILE",
                    help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
                    "need a listed key; each tenant's KV is isolated (its own cache salt)")
@@ -556,8 +721,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "it or a key marked admin in --api-keys; without either they are refused")
     s.add_argument("--metrics-auth", choices=("public", "api_key", "admin"), default="public",
                    help="who may read /metrics (default public; api_key: any key of --api-keys)")
-    s.add_argument("--models-auth", choices=("public", "api_key", "admin"), default="public",
-                   help="who may read /v1/models (default public)")
+    s.add_argument("--models-auth", choices=("public", "api_key", "admin"), default=None,
+                   help="who may read /v1/models (default public; api_key with --api-key, as vLLM "
+                   "guards every /v1 path with its key)")
     s.add_argument("--kv-master-key-file", default=None, metavar="FILE",
                    help="fleet encryption: tenants' data keys wrapped by this 32-byte master key and kept "
                    "in the remote tier, shared by every instance given the same file (needs --remote-cache-url)")

@@ -9,7 +9,9 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -22,12 +24,17 @@ from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
-from kvtier.model.sampler import Sample, SampleRow, sample
-from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvtier.model.sampler import Sample, SampleRow, sample, top_logprobs
+from kvtier.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
+
+logger = logging.getLogger("kvtier.engine")
+
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -40,6 +47,13 @@ class StepStats:
     sample_s: float = 0.0
     update_s: float = 0.0
     num_batched_tokens: int = 0
+    num_prompt_tokens: int = 0
+    """Prompt tokens of requests that got their first token (cached ones included, as vLLM's
+    prompt_tokens_total)."""
+    num_generation_tokens: int = 0
+    iteration_token_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
+    """Steps by tokens computed (prompt chunks and decodes): counts per ITERATION_TOKEN_BUCKETS
+    bucket (not cumulative), the last for larger steps."""
 
     @property
     def total_s(self) -> float:
@@ -72,6 +86,10 @@ class _Group:
     stop_reasons: list[int | str | None] = field(default_factory=list)
     num_preemptions: int = 0
     tenant: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    """Filled position by position as the prompt is computed (SamplingParams.prompt_logprobs)."""
+    matchers: list[Any] = field(default_factory=list)
+    """Structured outputs: each sequence's grammar state (kvtier.structured.Matcher) or None."""
 
     @property
     def finished(self) -> bool:
@@ -97,7 +115,7 @@ class EngineCore:
         self.runner = runner or ModelRunner(
             mc.model, dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
             num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed,
-            kv_cache_dtype=cc.kv_cache_dtype)
+            kv_cache_dtype=cc.kv_cache_dtype, memory_fraction=cc.memory_fraction)
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
                                  cc.eviction_policy)
         self.tiers = None
@@ -122,6 +140,10 @@ class EngineCore:
         self._seq_group: dict[str, _Group] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
+        self._grammars = None  # kvtier.structured.GrammarCompiler, built at the first constrained request
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
+        self._mask_pool = None
+        self._fork_matchers: dict[str, list[Any]] = {}
         self._ids = itertools.count()
         self.step_stats = StepStats()
         self.drift = DriftMonitor(config.drift, self.runner) if config.drift.enabled else None
@@ -138,21 +160,30 @@ class EngineCore:
                     arrival_time: float | None = None, tenant: str | None = None) -> str:
         params = params or SamplingParams()
         params.validate()
-        ids = self._check_prompt(prompt_token_ids)
+        ids = self._check_prompt(self._truncate(prompt_token_ids, params.truncate_prompt_tokens))
+        self._check_logits_params(params)
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             max_out = self.max_model_len - len(ids)
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens; use max_tokens <= {max_out}")
+        if priority and self.scheduler.config.policy == "fcfs":
+            raise ValueError(f"priority {priority} is only honoured under the 'priority' scheduling "
+                             "policy; this engine runs 'fcfs' (--scheduling-policy priority)")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        matcher = (self._grammar_compiler().matcher(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         group = _Group(request_id, prompt, ids, params, arrival)
         group.tenant = tenant
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         req = self._new_seq(group, 0, ids, cache_salt, priority, arrival)
+        group.matchers[0] = matcher
         if self.tiers is not None and self.tiers.has_remote:
             bs = self.kv.block_size
             req.tier_keys = chain_keys(req.root_key, ids, bs, num_blocks=(len(ids) - 1) // bs)
@@ -162,6 +193,36 @@ class EngineCore:
         if self.drift is not None:
             self.drift.sample(request_id, ids)
         return request_id
+
+    def _truncate(self, prompt_token_ids: Iterable[int], keep: int | None) -> Iterable[int]:
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the context less
+        one output token)."""
+        if keep is None:
+            return prompt_token_ids
+        ids = list(prompt_token_ids)
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if keep >= self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens ({keep}) must be below this model's context of "
+                             f"{self.max_model_len} tokens")
+        return ids[-keep:]
+
+    def _check_logits_params(self, params: SamplingParams) -> None:
+        """Token ids in range; bad_words tokenized (vLLM's way: with and without a leading space)."""
+        for name in ("logit_bias", "allowed_token_ids"):
+            ids = getattr(params, name)
+            bad = [t for t in (ids or ()) if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if params.bad_words and params.bad_words_token_ids is None:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias)")
+            words: list[list[int]] = []
+            for word in params.bad_words:
+                for text in (word.lstrip(), " " + word.lstrip()):
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                    if ids and ids not in words:
+                        words.append(ids)
+            params.bad_words_token_ids = words
 
     def _check_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
         try:
@@ -196,6 +257,7 @@ class EngineCore:
         group.detoks.append(IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
                             if sp.stop and self.tokenizer is not None else None)
         group.logprobs.append([])
+        group.matchers.append(None)
         group.cum_logprobs.append(0.0)
         group.finish.append(None)
         group.stop_reasons.append(None)
@@ -238,11 +300,17 @@ class EngineCore:
         if self.team is not None:
             self.team.before_step(out.num_batched_tokens)
         t1 = time.perf_counter()
-        logits = self.runner.execute(out)
+        masks = self._grammar_masks(out)  # on a helper thread while the forward pass runs
+        rows, targets = self._prompt_rows(out)
+        if rows:
+            logits, row_logits = self.runner.execute_rows(out, rows)
+            self._record_prompt_logprobs(row_logits, targets)
+        else:
+            logits = self.runner.execute(out)
         t2 = time.perf_counter()
         if self.tiers is not None:
             self._observe_prefill(out, t2 - t1)
-        rows, forks = self._sample_rows(out)
+        rows, forks = self._sample_rows(out, masks.result() if masks is not None else {})
         samples = sample(logits, rows) if rows else []
         t3 = time.perf_counter()
         sampled = {key: s.token_id for key, s in zip(self._row_keys, samples)}
@@ -259,9 +327,73 @@ class EngineCore:
         st.sample_s += t3 - t2
         st.update_s += t4 - t3
         st.num_batched_tokens += out.num_batched_tokens
+        st.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_batched_tokens)] += 1
         if self.drift is not None and not self._groups:
             self.drift.run_pending()  # going idle: no later step would pick these up
         return moved
+
+    def _grammar_compiler(self):
+        if self._grammars is None:
+            from kvtier.structured import GrammarCompiler
+
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _grammar_masks(self, out: SchedulerOutput) -> Future | None:
+        """The allowed-token masks of the step's sampled sequences under a grammar, computed on
+        a helper thread (llguidance lets go of the GIL) while the forward pass runs."""
+        jobs = []
+        for seq in out.seqs:
+            if not seq.sample:
+                continue
+            group = self._seq_group.get(seq.req_id)
+            if group is None or not any(m is not None for m in group.matchers):
+                continue
+            req = self.scheduler.requests[seq.req_id]
+            matcher = group.matchers[req.sample_index]
+            if matcher is not None:
+                jobs.append((seq.req_id, matcher))
+        if not jobs:
+            return None
+        if self._mask_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-grammar")
+        return self._mask_pool.submit(lambda: {rid: m.allowed() for rid, m in jobs})
+
+    def _prompt_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[_Group, int]]]:
+        """The step's token rows whose logits score a prompt token of a request that asked for
+        prompt logprobs: (rows, (group, the prompt position each row predicts))."""
+        rows: list[int] = []
+        targets: list[tuple[_Group, int]] = []
+        offset = 0
+        for seq in out.seqs:
+            group = self._seq_group.get(seq.req_id)
+            if group is not None and group.prompt_logprobs is not None and seq.req_id == group.request_id:
+                end = min(seq.start_pos + seq.num_tokens, len(group.prompt_token_ids) - 1)
+                for p in range(seq.start_pos, end):
+                    rows.append(offset + p - seq.start_pos)
+                    targets.append((group, p + 1))
+            offset += seq.num_tokens
+        return rows, targets
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, targets: list[tuple[_Group, int]]) -> None:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        for i, (group, pos) in enumerate(targets):
+            entry = top_logprobs(lp[i], group.prompt_token_ids[pos], group.params.prompt_logprobs)
+            group.prompt_logprobs[pos] = self._decoded(entry)
+
+    def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        """Fills each Logprob's decoded_token (one token's text, cached per id)."""
+        if self.tokenizer is not None:
+            for tid, lp in entry.items():
+                text = self._token_texts.get(tid)
+                if text is None:
+                    text = self._token_texts[tid] = self.tokenizer.decode([tid], skip_special_tokens=False)
+                lp.decoded_token = text
+        return entry
 
     def _record_drift(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
         """Served logits of tracked requests; row r of `logits` is the r-th sampled seq."""
@@ -436,9 +568,14 @@ class EngineCore:
     def close(self) -> None:
         if self.tiers is not None:
             self.tiers.close()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=True)
 
-    def _sample_rows(self, out: SchedulerOutput) -> tuple[list[SampleRow], dict[str, list[int]]]:
-        """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row."""
+    def _sample_rows(self, out: SchedulerOutput, masks: dict[str, torch.Tensor] | None = None
+                     ) -> tuple[list[SampleRow], dict[str, list[int]]]:
+        """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row
+        (and, under a grammar, copies of the parent's grammar state before its first token)."""
+        masks = masks or {}
         rows: list[SampleRow] = []
         self._row_keys: list[str] = []
         forks: dict[str, list[int]] = {}
@@ -447,18 +584,23 @@ class EngineCore:
             if not seq.sample:
                 continue
             req = self.scheduler.requests[seq.req_id]
-            rows.append(SampleRow(r, req.sampling, self._generators.get(req.req_id, self._default_gen)))
+            allowed = masks.get(req.req_id)
+            rows.append(SampleRow(r, req.sampling, self._generators.get(req.req_id, self._default_gen),
+                                  req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, allowed))
             self._row_keys.append(req.req_id)
             group = self._seq_group[req.req_id]
             if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids \
                     and len(group.seqs) == 1:
                 forks[req.req_id] = []
+                parent_matcher = group.matchers[0]
+                if parent_matcher is not None:
+                    self._fork_matchers[req.req_id] = [parent_matcher.copy() for _ in range(1, group.params.n)]
                 for i in range(1, group.params.n):
                     sp = group.params.child(i)
                     gen = (torch.Generator(device="cpu").manual_seed(sp.seed)
                            if sp.seed is not None else self._default_gen)
                     forks[req.req_id].append(len(rows))
-                    rows.append(SampleRow(r, sp, gen))
+                    rows.append(SampleRow(r, sp, gen, req.prompt_token_ids, [], req.eos_token_ids, allowed))
                     self._row_keys.append(f"{req.req_id}#fork{i}")
             r += 1
         return rows, forks
@@ -496,6 +638,11 @@ class EngineCore:
         for i, s in enumerate(first, start=1):
             child = self._new_seq(group, i, list(parent.prompt_token_ids), parent.cache_salt,
                                   parent.priority, group.arrival_time, parent_id=parent.req_id)
+            copies = self._fork_matchers.get(parent.req_id)
+            if copies:
+                group.matchers[i] = copies.pop(0)
+                if not copies:
+                    del self._fork_matchers[parent.req_id]
             child.first_token_time = parent.first_token_time
             child.append_output(s.token_id)
             self.scheduler.add_forked(child, parent)
@@ -508,8 +655,22 @@ class EngineCore:
 
     def _record(self, group: _Group, req: Request, s: Sample) -> None:
         i = req.sample_index
+        matcher = group.matchers[i]
+        if matcher is not None and group.finish[i] is None:
+            if not matcher.consume(s.token_id) or matcher.done:
+                # complete (nothing may follow but EOS) or, never expected with the mask
+                # applied, a token the grammar refused: the sequence ends here
+                if matcher.error:
+                    logger.warning("request %s: grammar refused token %d: %s", req.req_id, s.token_id,
+                                   matcher.error)
+                group.finish[i] = "stop"
+                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+        st = self.step_stats
+        st.num_generation_tokens += 1
+        if i == 0 and len(req.output_token_ids) == 1:
+            st.num_prompt_tokens += len(group.prompt_token_ids)
         if s.logprob is not None:
-            group.logprobs[i].append(s.top_logprobs or {})
+            group.logprobs[i].append(self._decoded(s.top_logprobs or {}))
             group.cum_logprobs[i] += s.logprob
         sp = req.sampling
         detok = group.detoks[i]
@@ -535,7 +696,11 @@ class EngineCore:
                 # token ids incrementally: StreamText); a stop string already cut texts[i]
                 group.decoded[i] = True
                 if self.tokenizer is not None and not isinstance(group.stop_reasons[i], str):
-                    group.texts[i] = self.tokenizer.decode(req.output_token_ids, req.sampling.skip_special_tokens)
+                    ids = req.output_token_ids
+                    if (group.finish[i] == "stop" and not req.sampling.include_stop_str_in_output and ids
+                            and (ids[-1] in req.eos_token_ids or ids[-1] in req.sampling.stop_token_ids)):
+                        ids = ids[:-1]  # an EOS or stop token ended it: its text is not output
+                    group.texts[i] = self.tokenizer.decode(ids, req.sampling.skip_special_tokens)
             text = group.texts[i]
             outs.append(CompletionOutput(
                 index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=group.finish[i],
@@ -552,7 +717,8 @@ class EngineCore:
             outputs=outs, finished=group.finished, metrics=metrics, num_cached_tokens=cached,
             cached_tokens_by_tier=by_tier, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
             num_preemptions=group.num_preemptions, restore_decision=head.restore_decision,
-            restore_s=head.restore_s)
+            restore_s=head.restore_s,
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         out = self._output(group)

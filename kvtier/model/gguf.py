@@ -232,6 +232,32 @@ class GGUFCheckpoint:
                   "add_bos_token": bool(self._meta.get("tokenizer.ggml.add_bos_token", False))}
         return tok, config
 
+    # -- conversion --------------------------------------------------------------------------
+
+    def save_pretrained(self, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+        """A Hugging Face directory of this file (config.json, model.safetensors, tokenizer.json,
+        tokenizer_config.json): what transformers 5 cannot write for a GGUF-loaded model, and
+        what tools that read only safetensors (vLLM's CPU build among them) need."""
+        import json
+
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        cfg = self.config()
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        tensors = {name: t.contiguous() for name, t in self.tensors(dtype)}
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id") if k in cfg}
+        (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        tok, tok_config = self.tokenizer_parts()
+        tok.save(str(out / "tokenizer.json"))
+        tok_config = {k: v for k, v in tok_config.items() if v is not None}
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+        return out
+
     # -- identity ----------------------------------------------------------------------------
 
     def fingerprint_bytes(self) -> bytes:

@@ -82,6 +82,7 @@ class ModelRunner:
         attn_backend: AttentionBackend | None = None,
         pack_weights: bool = True,
         kv_cache_dtype: str | torch.dtype = "auto",
+        memory_fraction: float | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -124,7 +125,7 @@ class ModelRunner:
             self.kv_bytes_per_block // block_size if self.kv_bytes_per_block % block_size == 0
             else self.kv_bytes_per_block / block_size
         )
-        self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for(kv_cache_bytes)
+        self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for(kv_cache_bytes, memory_fraction)
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         self.kv_pool = torch.zeros(
@@ -156,17 +157,29 @@ class ModelRunner:
         `all_rows`, the logits of every scheduled token [num tokens, vocab] (row i predicts the
         token after the i-th one: scoring a text's log-likelihood).
         """
+        logits, _ = self.execute_rows(out, None, all_rows)
+        return logits
+
+    def execute_rows(self, out: SchedulerOutput, rows: list[int] | None,
+                     all_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`execute`, plus the logits of the scheduled tokens at `rows` (indices into the
+        step's tokens, seqs in order) computed apart: prompt logprobs, without changing how
+        the sampled rows are computed."""
         self._copy_blocks(out.block_copies)
+        empty = torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
         if not out.seqs:
-            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
+            return empty, None
         input_ids, positions, sample_rows = self._prepare_inputs(out.seqs)
         meta = self.attn_backend.build_metadata(out.seqs, self.block_size, self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        extra = None
+        if rows:
+            extra = self.model.compute_logits(hidden.index_select(0, long_tensor(rows, self.device)))
         if all_rows:
-            return self.model.compute_logits(hidden)
+            return self.model.compute_logits(hidden), extra
         if sample_rows is None:
-            return torch.empty((0, self.arch.vocab_size), dtype=torch.float32, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, sample_rows))
+            return empty, extra
+        return self.model.compute_logits(hidden.index_select(0, sample_rows)), extra
 
     @property
     def tokens_per_gib(self) -> float:
@@ -368,10 +381,13 @@ class ModelRunner:
             long_tensor(sample_rows, device) if sample_rows else None,
         )
 
-    def _blocks_for(self, kv_cache_bytes: int | None) -> int:
+    def _blocks_for(self, kv_cache_bytes: int | None, memory_fraction: float | None = None) -> int:
         if kv_cache_bytes is None:
             available = _available_memory_bytes(self.device)
-            kv_cache_bytes = min(int(available * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_CACHE_MAX_BYTES)
+            if memory_fraction is not None:  # asked for: no cap
+                kv_cache_bytes = int(available * memory_fraction)
+            else:
+                kv_cache_bytes = min(int(available * DEFAULT_KV_MEMORY_FRACTION), DEFAULT_KV_CACHE_MAX_BYTES)
         num_blocks = kv_cache_bytes // self.kv_bytes_per_block
         if num_blocks <= 0:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""Sampling from logits: greedy, temperature, top-k, top-p, min-p, seeded, with logprobs.
+"""Sampling from logits: vLLM's logits processing (penalties, bias, masks), then greedy,
+temperature, top-k, top-p, min-p, seeded, with logprobs.
 
 Rows are independent; each may carry its own `torch.Generator` (a seeded request draws the same
 tokens whatever else is in the batch). Logprobs are the model's raw distribution (before
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.outputs import Logprob
 from kvtier.sampling_params import SamplingParams
 
 
@@ -20,13 +22,73 @@ class SampleRow:
     """Index into the logits tensor (several SampleRows may read one row: n > 1)."""
     params: SamplingParams
     generator: torch.Generator | None
+    prompt_ids: list[int] | None = None
+    """The sequence's prompt and output so far: read, not copied (penalties, bad words,
+    min_tokens)."""
+    output_ids: list[int] | None = None
+    eos_ids: tuple[int, ...] = ()
+    allowed: torch.Tensor | None = None
+    """Structured outputs: a bool mask [vocab] of the tokens the grammar allows next."""
+
+    @property
+    def processed(self) -> bool:
+        """Whether this row's logits need `process_row` before temperature and truncation."""
+        sp = self.params
+        return (self.allowed is not None or sp.processes_logits
+                or (sp.min_tokens > 0 and len(self.output_ids or ()) < sp.min_tokens))
 
 
 @dataclass(slots=True)
 class Sample:
     token_id: int
     logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
+    top_logprobs: dict[int, Logprob] | None = None
+
+
+def process_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
+    """vLLM's logits processing of one row [vocab] (float32, a new tensor): the grammar's mask
+    (structured outputs), min_tokens masking,
+    logit_bias, allowed_token_ids, bad_words, then repetition, frequency and presence penalties."""
+    sp = row.params
+    logits = logits.float().clone()
+    vocab = logits.numel()
+    if row.allowed is not None:  # the grammar first, as vLLM applies its bitmask
+        logits.masked_fill_(~row.allowed[:vocab], float("-inf"))
+    out_ids = row.output_ids or []
+    if sp.min_tokens and len(out_ids) < sp.min_tokens:
+        stops = set(sp.stop_token_ids or ())
+        if not sp.ignore_eos:
+            stops.update(row.eos_ids)
+        stops = [t for t in stops if 0 <= t < vocab]
+        if stops:
+            logits[stops] = float("-inf")
+    if sp.logit_bias:
+        ids = torch.tensor(list(sp.logit_bias), dtype=torch.long)
+        logits.index_add_(0, ids, torch.tensor(list(sp.logit_bias.values()), dtype=logits.dtype))
+    if sp.allowed_token_ids:
+        keep = torch.full_like(logits, float("-inf"))
+        ids = torch.tensor(sp.allowed_token_ids, dtype=torch.long)
+        keep[ids] = logits[ids]
+        logits = keep
+    if sp.bad_words_token_ids:
+        banned = [w[-1] for w in sp.bad_words_token_ids
+                  if len(w) == 1 or (len(out_ids) >= len(w) - 1 and out_ids[len(out_ids) - len(w) + 1:] == w[:-1])]
+        if banned:
+            logits[banned] = float("-inf")
+    if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
+        counts = (torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
+                  if out_ids else torch.zeros(vocab, dtype=torch.long))
+        if sp.repetition_penalty != 1.0:
+            seen = counts > 0
+            if row.prompt_ids:
+                seen[torch.tensor(row.prompt_ids, dtype=torch.long)] = True
+            rp = sp.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        if sp.frequency_penalty:
+            logits -= sp.frequency_penalty * counts.to(logits.dtype)
+        if sp.presence_penalty:
+            logits -= sp.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def _filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -60,12 +122,28 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
 
 
+def top_logprobs(lp: torch.Tensor, token_id: int, k: int | None) -> dict[int, Logprob]:
+    """token id -> Logprob for the `k` most likely tokens of the log-softmax row `lp` and for
+    `token_id` (vLLM's shape: rank 1 is the most likely; the chosen token comes first)."""
+    value = float(lp[token_id])
+    out = {token_id: Logprob(value, int((lp > value).sum()) + 1)}
+    if k:
+        vals, ids = torch.topk(lp, k)
+        for rank, (tid, v) in enumerate(zip(ids.tolist(), vals.tolist()), start=1):
+            out.setdefault(tid, Logprob(v, rank))
+    return out
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     """Pick one token per SampleRow from `logits` [num_rows, vocab] (float32)."""
     if not rows:
         return []
     out: list[Sample | None] = [None] * len(rows)
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    processed = {i: process_row(logits[r.row], r) for i, r in enumerate(rows) if r.processed}
+    for i, row in processed.items():
+        if rows[i].params.greedy:
+            out[i] = Sample(int(row.argmax()))
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy and i not in processed]
     if greedy:
         idx = torch.tensor([rows[i].row for i in greedy], device=logits.device)
         tokens = logits.index_select(0, idx).argmax(dim=-1).tolist()
@@ -74,7 +152,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     for i, r in enumerate(rows):
         if out[i] is not None:
             continue
-        probs = torch.softmax(_filter(logits[r.row], r.params), dim=-1)
+        row = processed[i] if i in processed else logits[r.row]
+        probs = torch.softmax(_filter(row, r.params), dim=-1)
         out[i] = Sample(_draw(probs, r.generator))
     want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if want_lp:
@@ -83,11 +162,5 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
             r, s = rows[i], out[i]
             row = lp[r.row]
             s.logprob = float(row[s.token_id])
-            k = r.params.logprobs
-            if k:
-                vals, ids = torch.topk(row, k)
-                s.top_logprobs = dict(zip(ids.tolist(), vals.tolist()))
-                s.top_logprobs.setdefault(s.token_id, s.logprob)
-            else:
-                s.top_logprobs = {s.token_id: s.logprob}
+            s.top_logprobs = top_logprobs(row, s.token_id, r.params.logprobs)
     return out  # type: ignore[return-value]

@@ -115,17 +115,56 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as JSON (what llguidance builds its vocabulary from)."""
+        return self._tok.to_str()
+
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` (Jinja) as the chat template from now on; a syntax error raises
+        TokenizerError here rather than at the first request."""
+        from jinja2 import TemplateError
+
+        try:
+            compiled = _jinja_env().from_string(template)
+        except TemplateError as e:
+            raise TokenizerError(f"the chat template does not compile: {e}") from None
+        self.chat_template, self._compiled = template, compiled
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs: Any) -> str:
-        if not self.chat_template:
+                            tools: list[dict] | None = None, *, chat_template: str | None = None,
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
+        """The conversation rendered by the model's chat template (or `chat_template`, a Jinja
+        string given with the request). `continue_final_message` ends the text inside the
+        last message (an assistant turn to be continued), as transformers does: rendered
+        without a generation prompt and cut after that message's content."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise TokenizerError("this model has no chat template (tokenizer_config.json has no "
                                  "'chat_template'); use generate() with a plain prompt")
+        if continue_final_message and add_generation_prompt:
+            raise TokenizerError("continue_final_message and add_generation_prompt cannot both be "
+                                 "true: a conversation either continues the last message or "
+                                 "starts a new turn")
         validate_messages(messages)
-        if self._compiled is None:
-            self._compiled = _jinja_env().from_string(self.chat_template)
-        return self._compiled.render(
+        if chat_template is None:
+            if self._compiled is None:
+                self._compiled = _jinja_env().from_string(self.chat_template)
+            compiled = self._compiled
+        else:
+            compiled = _jinja_env().from_string(chat_template)
+        text = compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip():
+                raise TokenizerError("continue_final_message needs a last message with text content")
+            for part in (final, final.strip()):
+                if part in text:
+                    return text[:text.rindex(part) + len(part)]
+            raise TokenizerError("continue_final_message: the chat template does not render the "
+                                 "last message's content verbatim, so it cannot be continued")
+        return text
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:

@@ -67,6 +67,8 @@ class Request:
     cached_by_tier: dict[str, int] = field(default_factory=dict)
     """Prompt tokens not recomputed, by where their KV came from (first admission)."""
     restore_decision: str | None = None
+    tier_queried: bool = False
+    """The tiers below were looked up for this admission (a retry does not count again)."""
     restore_s: float = 0.0
     """Seconds its tier loads took (queue wait included)."""
     tier_keys: list[bytes] | None = None

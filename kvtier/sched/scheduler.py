@@ -145,6 +145,7 @@ class Scheduler:
         self.kv.free(req.req_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.tier_queried = False
         req.status = RequestStatus.PREEMPTED
         self.num_preemptions += 1
         self.waiting.push_front(req)
@@ -192,9 +193,13 @@ class Scheduler:
                 break
             if req.remote_lookup is not None and not req.remote_lookup.done():
                 continue  # its remote lookup is on the way; others may go first meanwhile
-            match = self.kv.match(req.all_token_ids, req.root_key)
+            if req.sampling.prompt_logprobs is None:
+                match = self.kv.match(req.all_token_ids, req.root_key)
+            else:  # every prompt position needs its logits: nothing is reused
+                match = self.kv.match(req.all_token_ids[:1], req.root_key)
             d = len(match.block_ids)
-            if d < (len(req.all_token_ids) - 1) // bs:  # it has blocks a running prefill may be computing
+            if d < (len(req.all_token_ids) - 1) // bs and req.sampling.prompt_logprobs is None:
+                # it has blocks a running prefill may be computing
                 if inflight is None:
                     inflight = self._inflight_keys()
                 for other, first in admitted:
@@ -205,7 +210,7 @@ class Scheduler:
                     # rather than compute the same KV twice (a burst sharing a new prefix)
                     self.num_inflight_waits += 1
                     continue
-            if self.tiers is not None and self._try_restore(req, match, now):
+            if self.tiers is not None and req.sampling.prompt_logprobs is None and self._try_restore(req, match, now):
                 continue
             num_cached = match.num_cached_tokens(bs)
             n = req.num_tokens - num_cached
@@ -260,10 +265,15 @@ class Scheduler:
         if d:
             self.tiers.touch(keys[:d])
         remote = req.remote_lookup.result() if req.remote_lookup is not None else 0
-        runs = self.tiers.runs(keys[:num_full], d, remote)
+        # one counted query per admission, as the device's: a request that waits for space
+        # and tries again is not a new query (nor a new decision)
+        first = not req.tier_queried
+        req.tier_queried = True
+        runs = self.tiers.runs(keys[:num_full], d, remote, count=first)
         decision = self.tiers.cost.decide(d * bs, runs, len(tokens),
                                           restore_all=self.tiers.config.restore_policy == "always")
-        self.restore_decisions[decision.kind] += 1
+        if first:
+            self.restore_decisions[decision.kind] += 1
         if req.restore_decision is None:
             req.restore_decision = decision.kind
         if decision.num_blocks == 0:

@@ -1,7 +1,13 @@
 """The FastAPI app of `kvtier serve`: routes, body limits, OpenAI-style errors, lifecycle.
 
     POST /v1/completions        POST /v1/chat/completions       GET /v1/models
+    POST /tokenize              POST /detokenize                GET /version
+    GET /tokenizer_info (with --enable-tokenizer-info-endpoint)
     GET  /health                GET  /metrics                   POST /admin/check_integrity
+
+As vLLM's server: CORS for --allowed-origins (default any origin: the API authenticates by
+bearer key, never by cookie), and an `X-Request-Id` header becomes the response id's suffix
+and is echoed back.
 
 Every error a client can cause is a 4xx with `{"error": {"message", "type", "param", "code"}}`
 and no stack trace; anything else is a 500 in the same shape (the trace goes to the log).
@@ -27,7 +33,7 @@ from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.metrics import ServerMetrics
 from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                     parse_json_object, validation_error)
-from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits
+from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits, valid_request_id
 from kvtier.server.tenancy import (AdminAuth, SingleTenantResolver, Tenant, TenantResolver,
                                    api_key_from_header)
 
@@ -43,7 +49,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str = "kvtier"
-    """The model id clients pass as `model` (and /v1/models lists)."""
+    """The model id clients pass as `model` (and /v1/models lists); responses carry it."""
+    model_aliases: tuple[str, ...] = ()
+    """More ids clients may pass as `model` (vLLM's --served-model-name with several names)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get a 413."""
     limits: RequestLimits = RequestLimits()
@@ -57,6 +65,18 @@ class ServerConfig:
     """Who may read /metrics: 'public', 'api_key' (any valid key) or 'admin'."""
     models_auth: str = "public"
     """Who may read /v1/models: 'public', 'api_key' or 'admin'."""
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()
+    """Sampling defaults for what a request leaves out (generation_config.json: --generation-config)."""
+    structured_defaults: tuple[tuple[str, Any], ...] = ()
+    """--structured-outputs-config: disable_any_whitespace / disable_additional_properties for
+    requests that do not set them."""
+    tool_call_parser: str | None = None
+    """--enable-auto-tool-choice --tool-call-parser NAME: tool_choice 'auto' reads tool calls
+    out of the model's text in this format (kvtier.server.tools.PARSERS)."""
+    allowed_origins: tuple[str, ...] = ("*",)
+    """CORS: origins a browser may call the API from (empty: no CORS headers)."""
+    enable_tokenizer_info: bool = False
+    """--enable-tokenizer-info-endpoint: GET /tokenizer_info (it shows the chat template)."""
 
 
 def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], list[tuple[str, Any, Any]]]:
@@ -75,7 +95,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     its own process, kvtier.server.engine_proc; it got the tenants' TTLs and quotas when it
     started). `request_log`: a RequestLog or None."""
     in_process = not getattr(engine, "is_engine_process", False)
-    metrics = ServerMetrics(engine if in_process else None)
+    metrics = ServerMetrics(engine if in_process else None, model_name=config.served_model_name)
 
     def on_finished(out: Any, itl_s: list[float]) -> None:
         metrics.observe_finished(out, itl_s)
@@ -88,7 +108,14 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         async_engine = engine
         engine.on_finished = on_finished
     serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, async_engine.max_model_len,
-                            request_log=request_log, limits=config.limits)
+                            request_log=request_log, limits=config.limits,
+                            model_aliases=config.model_aliases, on_added=metrics.note_request,
+                            sampling_defaults=dict(config.sampling_defaults))
+    if config.tool_call_parser:
+        from kvtier.server.tools import make_parser
+
+        serving.tool_parser = make_parser(config.tool_call_parser)
+    serving.structured_defaults = dict(config.structured_defaults)
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
@@ -125,6 +152,13 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     app.state.engine = async_engine
     app.state.metrics = metrics
     _install_error_handlers(app)
+    if config.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
+
+    app.add_middleware(_EchoRequestId)
 
     def tenant_of(request: Request) -> Tenant:
         try:
@@ -158,8 +192,36 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     async def models(request: Request) -> dict[str, Any]:
         authorize(request, config.models_auth)
         return {"object": "list", "data": [{
-            "id": config.served_model_name, "object": "model", "created": created,
-            "owned_by": "kvtier", "max_model_len": async_engine.max_model_len}]}
+            "id": name, "object": "model", "created": created, "owned_by": "kvtier",
+            "root": config.served_model_name, "max_model_len": async_engine.max_model_len}
+            for name in (config.served_model_name, *config.model_aliases)]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        tenant_of(request)
+        body = await read_json(request, config.max_body_bytes)
+        return JSONResponse(await serving.tokenize(body))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        tenant_of(request)
+        body = await read_json(request, config.max_body_bytes)
+        return JSONResponse(await serving.detokenize(body))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        if not config.enable_tokenizer_info:
+            return JSONResponse(status_code=404, content={"error": {
+                "message": "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint",
+                "type": "NotFoundError", "param": None, "code": 404}})
+        tenant_of(request)
+        return JSONResponse(serving.tokenizer_info())
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from kvtier import __version__
+
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:
@@ -290,6 +352,31 @@ async def read_json(request: Request, max_bytes: int, then: Callable[[dict[str, 
     if len(body) <= _INLINE_BODY_BYTES:
         return parse()
     return await asyncio.to_thread(parse)
+
+
+class _EchoRequestId:
+    """ASGI middleware: a usable `X-Request-Id` request header comes back on the response (a
+    plain ASGI wrapper of `send`, so streams and disconnect detection are untouched)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if rid is None:
+            return await self.app(scope, receive, send)
+        text = rid.decode("latin-1")
+        if not valid_request_id(text):
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def _validate(model: Any, body: dict[str, Any]) -> Any:

@@ -66,14 +66,20 @@ def _encode_output(out: RequestOutput, sent: list[int]) -> list[Any]:
             sent.append(0)
         k = sent[c.index]
         new_ids = c.token_ids[k:]
-        new_lp = c.logprobs[k:] if c.logprobs is not None else None
+        new_lp = _plain(c.logprobs[k:]) if c.logprobs is not None else None
         sent[c.index] = len(c.token_ids)
         seqs.append([c.index, new_ids, new_lp, c.finish_reason, c.stop_reason,
                      c.text if c.finish_reason is not None else None, c.cumulative_logprob])
     m = out.metrics
     return [out.request_id, out.finished, seqs, out.num_cached_tokens, out.cached_tokens_by_tier,
             [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time],
-            out.num_recomputed_tokens, out.num_preemptions, out.restore_decision, out.restore_s]
+            out.num_recomputed_tokens, out.num_preemptions, out.restore_decision, out.restore_s,
+            _plain(out.prompt_logprobs) if out.finished and out.prompt_logprobs is not None else None]
+
+
+def _plain(entries: list[dict[int, float] | None]) -> list[dict[int, float] | None]:
+    """Logprob entries with plain floats (the wire has no Logprob type; the server needs none)."""
+    return [None if d is None else {k: float(v) for k, v in d.items()} for d in entries]
 
 
 @dataclasses.dataclass(slots=True)
@@ -98,14 +104,16 @@ class _ClientLive:
     itl_s: list[float] = dataclasses.field(default_factory=list)
 
     def apply(self, msg: list[Any]) -> RequestOutput:
-        rid, finished, seqs, cached, by_tier, times, recomputed, preempt, decision, restore_s = msg
+        rid, finished, seqs, cached, by_tier, times, recomputed, preempt, decision, restore_s, prompt_lp = msg
         for index, new_ids, new_lp, finish, stop_reason, text, cum in seqs:
             s = self.seqs.get(index)
             if s is None:
                 s = self.seqs[index] = _Seq()
             s.token_ids.extend(new_ids)
             if new_lp is not None:
-                s.logprobs = (s.logprobs or []) + [{int(k): v for k, v in d.items()} for d in new_lp]
+                if s.logprobs is None:
+                    s.logprobs = []
+                s.logprobs.extend({int(k): v for k, v in d.items()} for d in new_lp)
             s.finish_reason, s.stop_reason, s.cumulative_logprob = finish, stop_reason, cum
             if text is not None:
                 s.text = text
@@ -118,7 +126,9 @@ class _ClientLive:
             request_id=rid, prompt=self.spec.prompt, prompt_token_ids=self.spec.prompt_token_ids, outputs=outs,
             finished=finished, metrics=RequestMetrics(*times), num_cached_tokens=cached,
             cached_tokens_by_tier=dict(by_tier), num_recomputed_tokens=recomputed, num_preemptions=preempt,
-            restore_decision=decision, restore_s=restore_s)
+            restore_decision=decision, restore_s=restore_s,
+            prompt_logprobs=None if prompt_lp is None else [
+                None if d is None else {int(k): v for k, v in d.items()} for d in prompt_lp])
 
 
 # ---------------------------------------------------------------------------------- engine side

@@ -6,8 +6,22 @@ Two sources:
   * `ServerMetrics.observe_finished` observes the latency histograms (and counts recomputed
     tokens) once per request, when it ends, from its final `RequestOutput`.
 
-Names follow vLLM's under the `kvtier:` prefix. Each app has its own `CollectorRegistry`, so
-several apps (tests) live in one process.
+Names follow vLLM's under the `kvtier:` prefix, and every series carries vLLM's `model_name`
+label (the served model name), so vLLM's Grafana dashboard works with only the prefix changed.
+Each app has its own `CollectorRegistry`, so several apps (tests) live in one process.
+
+vLLM's request-level set (all labelled model_name):
+    kvtier:prompt_tokens_total / generation_tokens_total   counters, tokens
+    kvtier:iteration_tokens_total               histogram of tokens computed per engine step
+    kvtier:request_queue_time_seconds / _prefill_time_seconds / _decode_time_seconds /
+           _inference_time_seconds              histograms, per request
+    kvtier:request_prompt_tokens / _generation_tokens / _max_num_generation_tokens /
+           _params_n / _params_max_tokens       histograms, per request
+    kvtier:time_per_output_token_seconds        histogram, per token (= inter_token_latency)
+    kvtier:request_time_per_output_token_seconds  histogram, per request (decode time / tokens)
+    kvtier:cache_config_info                    gauge 1, the cache configuration as labels
+    kvtier:gpu_cache_usage_perc                 the device pool's kv_cache_usage_perc (the name
+                                                vLLM's dashboard reads)
 
     series                                      labels          unit
     kvtier:kv_cache_usage_perc                  -               fraction of device blocks in use
@@ -61,6 +75,14 @@ RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                      5.0, 10.0)
 
 
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+N_BUCKETS = (1, 2, 5, 10, 20)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                  7.5, 10.0, 20.0, 40.0, 80.0)
+PHASE_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
 class EngineCollector(Collector):
     """Reads `engine` (an EngineCore) at scrape time; never changes it."""
 
@@ -75,6 +97,27 @@ class EngineCollector(Collector):
         tier_usage = tiers.usage() if tiers is not None else {}
 
         yield _gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", kv.usage)
+        yield _gauge("gpu_cache_usage_perc", "The device pool's kv_cache_usage_perc, under the "
+                     "name vLLM's dashboard reads.", kv.usage)
+        from kvtier.engine.core import ITERATION_TOKEN_BUCKETS  # where the engine is, torch is
+
+        st = engine.step_stats
+        yield _counter("prompt_tokens", "Prompt tokens of requests that got their first token "
+                       "(cached ones included).", st.num_prompt_tokens)
+        yield _counter("generation_tokens", "Tokens generated.", st.num_generation_tokens)
+        yield _bucket_histogram("iteration_tokens_total", "Tokens computed per engine step.",
+                                ITERATION_TOKEN_BUCKETS, st.iteration_token_counts, st.num_batched_tokens)
+        cc = engine.config.cache
+        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The cache configuration (value 1).",
+                                 labels=["block_size", "cache_dtype", "num_gpu_blocks",
+                                         "enable_prefix_caching", "eviction_policy", "host_cache_bytes",
+                                         "disk_cache_bytes", "remote_cache"])
+        tc = engine.config.tiers
+        info.add_metric([str(bs), str(cc.kv_cache_dtype), str(kv.num_blocks), str(cc.enable_prefix_caching),
+                         str(cc.eviction_policy), str(tc.host_cache_bytes or 0),
+                         str(tc.disk_cache_bytes or 0) if tc.disk_cache_dir else "0",
+                         str(bool(tc.remote_cache_url))], 1)
+        yield info
         for name in ("host", "disk"):
             used, cap = tier_usage.get(name, (0, None))
             yield _gauge(f"{name}_cache_usage_perc", f"Fraction of the {name} tier's bytes in use "
@@ -165,44 +208,129 @@ class SnapshotCollector(Collector):
         return list(self.families)
 
 
+class LabelledCollector(Collector):
+    """Another collector's families with constant labels added to every sample (model_name)."""
+
+    def __init__(self, inner: Collector, labels: dict[str, str]) -> None:
+        self.inner = inner
+        self.labels = labels
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.inner.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield out
+
+
+def _bucket_histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int],
+                      total: float) -> HistogramMetricFamily:
+    """A histogram family from per-bucket (not cumulative) counts, the last for +Inf."""
+    buckets, running = [], 0
+    for bound, n in zip([*map(str, bounds), "+Inf"], counts):
+        running += n
+        buckets.append((bound, running))
+    return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=total)
+
+
 class ServerMetrics:
     """The registry of one app: the engine collector plus per-request histograms. `engine`: an
-    EngineCore in this process, or None when it runs in its own (then `render(families)`)."""
+    EngineCore in this process, or None when it runs in its own (then `render(families)`).
+    Every series carries `model_name`."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, model_name: str = "kvtier") -> None:
         self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.snapshot = SnapshotCollector() if engine is None else None
-        self.registry.register(EngineCollector(engine) if engine is not None else self.snapshot)
+        inner = EngineCollector(engine) if engine is not None else self.snapshot
+        self.registry.register(LabelledCollector(inner, {"model_name": model_name}))
         r = self.registry
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
-                              buckets=TTFT_BUCKETS_S, registry=r)
-        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between the steps "
-                             "that gave a request tokens.", buckets=ITL_BUCKETS_S, registry=r)
-        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.",
-                             buckets=E2E_BUCKETS_S, registry=r)
-        self.restore = Histogram(PREFIX + "restore_seconds", "Seconds a request spent restoring "
-                                 "KV from tiers below the device (queue wait included), by the "
-                                 "deepest tier it read.", ["tier"], buckets=RESTORE_BUCKETS_S, registry=r)
+        m = ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...], labels: list[str] = m) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
+        self.itl = hist("inter_token_latency_seconds", "Time between the steps that gave a request "
+                        "tokens.", ITL_BUCKETS_S)
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token (vLLM's older "
+                         "name of inter_token_latency_seconds; the same observations).", TPOT_BUCKETS_S)
+        self.req_tpot = hist("request_time_per_output_token_seconds", "Per request: decode time "
+                             "divided by the tokens after the first.", TPOT_BUCKETS_S)
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS_S)
+        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", PHASE_BUCKETS_S)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.",
+                            PHASE_BUCKETS_S)
+        self.decode = hist("request_decode_time_seconds", "First token to last token.", PHASE_BUCKETS_S)
+        self.inference = hist("request_inference_time_seconds", "First scheduled to last token.",
+                              PHASE_BUCKETS_S)
+        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request "
+                                      "(all n samples).", TOKEN_BUCKETS)
+        self.max_generation_tokens = hist("request_max_num_generation_tokens", "The most tokens one "
+                                          "of a request's samples generated.", TOKEN_BUCKETS)
+        self.params_n = hist("request_params_n", "The n of each request.", N_BUCKETS)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request.",
+                                      TOKEN_BUCKETS)
+        self.restore = hist("restore_seconds", "Seconds a request spent restoring KV from tiers "
+                            "below the device (queue wait included), by the deepest tier it read.",
+                            RESTORE_BUCKETS_S, ["model_name", "tier"])
         self.recomputed = Counter(PREFIX + "recomputed_tokens", "Prompt tokens computed rather "
-                                  "than reused.", registry=r)
+                                  "than reused.", m, registry=r)
         self.requests = Counter(PREFIX + "request_success", "Requests that ended, by finish reason.",
-                                ["finished_reason"], registry=r)
+                                ["model_name", "finished_reason"], registry=r)
+        self._max_tokens: dict[str, int] = {}
+        # the series exist (at zero) from the start, as vLLM's do
+        for metric in (self.ttft, self.itl, self.tpot, self.req_tpot, self.e2e, self.queue,
+                       self.prefill, self.decode, self.inference, self.prompt_tokens,
+                       self.generation_tokens, self.max_generation_tokens, self.params_n,
+                       self.params_max_tokens, self.recomputed):
+            metric.labels(model_name)
+
+    def note_request(self, request_id: str, max_tokens: int | None) -> None:
+        """An engine request's max_tokens, for request_params_max_tokens when it ends (None:
+        forget it, the engine refused it)."""
+        if max_tokens is None:
+            self._max_tokens.pop(request_id, None)
+        else:
+            self._max_tokens[request_id] = max_tokens
 
     def observe_finished(self, out: RequestOutput, itl_s: list[float]) -> None:
         """Called once per request when it ends (on the engine thread)."""
+        name = self.model_name
         m = out.metrics
         if m.ttft_s is not None:
-            self.ttft.observe(m.ttft_s)
+            self.ttft.labels(name).observe(m.ttft_s)
+        itl, tpot = self.itl.labels(name), self.tpot.labels(name)
         for dt in itl_s:
-            self.itl.observe(dt)
+            itl.observe(dt)
+            tpot.observe(dt)
         if m.e2e_s is not None:
-            self.e2e.observe(m.e2e_s)
+            self.e2e.labels(name).observe(m.e2e_s)
+        if m.queue_s is not None:
+            self.queue.labels(name).observe(m.queue_s)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill.labels(name).observe(m.first_token_time - m.first_scheduled_time)
+        lengths = [len(c.token_ids) for c in out.outputs]
+        if m.first_token_time is not None and m.finished_time is not None:
+            decode_s = m.finished_time - m.first_token_time
+            self.decode.labels(name).observe(decode_s)
+            if lengths and max(lengths) > 1:
+                self.req_tpot.labels(name).observe(decode_s / (max(lengths) - 1))
+        if m.first_scheduled_time is not None and m.finished_time is not None:
+            self.inference.labels(name).observe(m.finished_time - m.first_scheduled_time)
+        self.prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
+        self.generation_tokens.labels(name).observe(sum(lengths))
+        self.max_generation_tokens.labels(name).observe(max(lengths, default=0))
+        self.params_n.labels(name).observe(max(len(out.outputs), 1))
+        max_tokens = self._max_tokens.pop(out.request_id, None)
+        if max_tokens is not None:
+            self.params_max_tokens.labels(name).observe(max_tokens)
         tier = _deepest_tier(out.cached_tokens_by_tier)
         if tier is not None:
-            self.restore.labels(tier).observe(out.restore_s)
-        self.recomputed.inc(out.num_recomputed_tokens)
+            self.restore.labels(name, tier).observe(out.restore_s)
+        self.recomputed.labels(name).inc(out.num_recomputed_tokens)
         reason = out.outputs[0].finish_reason if out.outputs else None
-        self.requests.labels(reason or "abort").inc()
+        self.requests.labels(name, reason or "abort").inc()
 
     def render(self, families: list[Metric] | None = None) -> bytes:
         if families is not None and self.snapshot is not None:

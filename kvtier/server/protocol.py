@@ -1,10 +1,14 @@
 """OpenAI request models (pydantic) and the OpenAI error shape.
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) and
-ignore fields they do not know, as OpenAI's clients send some. Fields OpenAI has and kvtier
-does not implement are accepted only at their neutral value. kvtier's own fields (vLLM's
-names): `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
-`skip_special_tokens`, `include_stop_str_in_output`, `top_k`, `min_p`.
+ignore fields they do not know, as OpenAI's clients send some. Fields OpenAI or vLLM has and
+kvtier does not implement are accepted only at their neutral value: any other value is a 400
+that names the field, never silently ignored. vLLM's extra fields kvtier implements, with vLLM's
+names: `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
+`skip_special_tokens`, `include_stop_str_in_output`, `top_k`, `min_p`, `repetition_penalty`,
+`bad_words`, `allowed_token_ids`, `truncate_prompt_tokens`, `return_token_ids`,
+`stream_options.continuous_usage_stats`, and in chat `chat_template` and
+`continue_final_message`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import json
 import math
 import re
 import sys
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -177,21 +181,97 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     """Add each choice's generated token ids (and, outside streams, the prompt's) to the
     response; in a stream, each chunk carries the ids of the tokens it delivers."""
-    # OpenAI fields accepted at their neutral value only
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
     logit_bias: Optional[dict[str, float]] = None
+    """Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100]."""
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    """vLLM's: the prompt tokens' log-probabilities (top-k at each position) in the response."""
+    # vLLM fields accepted at their neutral value only
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    vllm_xargs: Any = None
+    kv_transfer_params: Any = None
+
+    _NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern", "logits_processors",
+                                                   "vllm_xargs", "kv_transfer_params")
+    _GUIDED: ClassVar[dict[str, str]] = {"guided_json": "json", "guided_regex": "regex",
+                                         "guided_choice": "choice", "guided_grammar": "grammar"}
 
     def unsupported(self) -> list[str]:
         """Fields given with a value kvtier does not implement."""
-        bad = []
-        if self.presence_penalty:
-            bad.append("presence_penalty")
-        if self.frequency_penalty:
-            bad.append("frequency_penalty")
-        if self.logit_bias:
-            bad.append("logit_bias")
+        bad = [name for name in self._NOT_IMPLEMENTED if getattr(self, name) is not None]
+        if self.guided_decoding_backend not in (None, "auto", "llguidance", "guidance"):
+            bad.append("guided_decoding_backend")
+        if self.use_beam_search:
+            bad.append("use_beam_search")
+        if self.length_penalty != 1.0:
+            bad.append("length_penalty")
+        if not self.spaces_between_special_tokens:
+            bad.append("spaces_between_special_tokens")
         return bad
+
+    def structured(self) -> tuple[dict[str, Any] | None, str | None]:
+        """(the structured-outputs constraint as StructuredOutputsParams fields, the request field
+        it came from): vLLM's `structured_outputs`, its older `guided_*` fields, or OpenAI's
+        `response_format`; more than one is a 400."""
+        found: list[tuple[dict[str, Any], str]] = []
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, dict):
+                raise APIError("structured_outputs must be an object, e.g. {\"json\": {...schema...}}",
+                               param="structured_outputs")
+            spec = {k: v for k, v in self.structured_outputs.items()
+                    if v is not None and k != "disable_fallback"}
+            found.append((spec, "structured_outputs"))
+        for name, kind in self._GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                found.append(({kind: value}, name))
+        rf = getattr(self, "response_format", None)
+        if rf:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(({"json_object": True}, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError("response_format.json_schema.schema must be a JSON schema object",
+                                   param="response_format")
+                found.append(({"json": schema}, "response_format"))
+            elif kind not in (None, "text"):
+                raise APIError(f"response_format type {kind!r} is not supported (text, json_object, "
+                               "json_schema)", param="response_format")
+        if len(found) > 1:
+            raise APIError(f"{found[0][1]} and {found[1][1]} both constrain the output; give one",
+                           param=found[1][1])
+        return found[0] if found else (None, None)
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer keys; a key that is not a token id is a 400."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            try:
+                out[int(key)] = value
+            except ValueError:
+                raise APIError(f"logit_bias: the key {key[:40]!r} is not a token id", 400,
+                               param="logit_bias") from None
+        return out
 
 
 PromptInput = Union[str, list[int], list[str], list[list[int]]]
@@ -204,11 +284,12 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
+        if self.echo and self.stream:
+            bad.append("echo")  # echo streams are not implemented; echo without stream is
         if self.suffix:
             bad.append("suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -247,16 +328,48 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None
+    """A Jinja chat template for this request, in place of the model's."""
+    continue_final_message: bool = False
+    """End the prompt inside the last message (continue it) instead of opening a new turn;
+    needs add_generation_prompt=false."""
+    echo: bool = False
+    documents: Any = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[str, Any]] = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.tools:
-            bad.append("tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            bad.append("tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            bad.append("response_format")
+        if self.echo:
+            bad.append("echo")
+        if self.documents is not None:
+            bad.append("documents")
         return bad
+
+
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's /tokenize with a prompt."""
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's /tokenize with messages (rendered by the chat template first)."""
+
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]

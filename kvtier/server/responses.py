@@ -96,6 +96,31 @@ def completion_logprobs(c: CompletionOutput, start: int, text_offset: int,
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def echo_logprobs(o: RequestOutput, token_text: TokenText) -> dict[str, Any]:
+    """Legacy completions logprobs of the prompt (echo): the first token has none."""
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = 0
+    plp = o.prompt_logprobs or [None] * len(o.prompt_token_ids)
+    for tid, top in zip(o.prompt_token_ids, plp):
+        s = token_text(tid)
+        tokens.append(s)
+        lps.append(None if top is None else top.get(tid))
+        tops.append(None if top is None else {token_text(t): lp for t, lp in top.items()})
+        offsets.append(pos)
+        pos += len(s)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(o: RequestOutput, token_text: TokenText) -> list[Any] | None:
+    """vLLM's `prompt_logprobs`: per position None or {token id: {logprob, decoded_token}}."""
+    if o.prompt_logprobs is None:
+        return None
+    return [None if top is None else
+            {str(t): {"logprob": float(lp), "rank": getattr(lp, "rank", None), "decoded_token": token_text(t)}
+             for t, lp in top.items()}
+            for top in o.prompt_logprobs]
+
+
 def chat_logprobs(c: CompletionOutput, start: int, num_top: int,
                   token_text: TokenText) -> dict[str, Any] | None:
     if c.logprobs is None:
@@ -114,14 +139,29 @@ def chat_logprobs(c: CompletionOutput, start: int, num_top: int,
 
 # ------------------------------------------------------------------ bodies
 def completion_body(request_id: str, model: str, created: int, outs: Sequence[RequestOutput], n: int,
-                    token_text: TokenText, return_token_ids: bool = False) -> dict[str, Any]:
+                    token_text: TokenText, return_token_ids: bool = False, echo: bool = False,
+                    prompt_texts: Sequence[str] | None = None) -> dict[str, Any]:
+    """`echo`: each choice's text (and logprobs) starts with its prompt's (`prompt_texts`)."""
     choices = []
     for p, o in enumerate(outs):
         for c in o.outputs:
-            choice = {"index": p * n + c.index, "text": c.text,
-                      "logprobs": completion_logprobs(c, 0, 0, token_text),
+            lp = completion_logprobs(c, 0, 0, token_text)
+            text = c.text
+            if echo:
+                prompt = prompt_texts[p] if prompt_texts is not None else ""
+                text = prompt + text
+                if lp is not None:
+                    head = echo_logprobs(o, token_text)
+                    shift = len(prompt)
+                    lp = {"tokens": head["tokens"] + lp["tokens"],
+                          "token_logprobs": head["token_logprobs"] + lp["token_logprobs"],
+                          "top_logprobs": head["top_logprobs"] + lp["top_logprobs"],
+                          "text_offset": head["text_offset"] + [x + shift for x in lp["text_offset"]]}
+            choice = {"index": p * n + c.index, "text": text, "logprobs": lp,
                       "finish_reason": finish_reason(c.finish_reason),
                       "stop_reason": c.stop_reason}
+            if o.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_body(o, token_text)
             if return_token_ids:
                 choice["prompt_token_ids"] = list(o.prompt_token_ids)
                 choice["token_ids"] = list(c.token_ids)
@@ -140,8 +180,11 @@ def chat_body(request_id: str, model: str, created: int, out: RequestOutput, num
         for choice, c in zip(choices, out.outputs):
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choice["token_ids"] = list(c.token_ids)
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": usage([out]), "kvtier": kvtier_extras([out])}
+    if out.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(out, token_text)
+    return body
 
 
 def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable
@@ -50,11 +52,24 @@ class RequestLimits:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int,
-                 request_log: Any = None, limits: RequestLimits | None = None) -> None:
+                 request_log: Any = None, limits: RequestLimits | None = None,
+                 model_aliases: tuple[str, ...] = (),
+                 on_added: Callable[[str, int | None], None] | None = None,
+                 sampling_defaults: dict[str, Any] | None = None) -> None:
         self.engine = engine
         self.request_log = request_log
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_names = (model_name, *model_aliases)
+        self.on_added = on_added
+        self.structured_defaults: dict[str, Any] = {}
+        """--structured-outputs-config's disable_any_whitespace / disable_additional_properties."""
+        self.tool_parser: Any = None
+        """--enable-auto-tool-choice --tool-call-parser NAME: a kvtier.server.tools.ToolParser."""
+        self.defaults = dict(sampling_defaults or {})
+        """generation_config.json's temperature, top_p, top_k, min_p, repetition_penalty and
+        max_tokens, for what a request leaves out (vLLM's --generation-config auto)."""
+        """on_added(engine request id, max_tokens) for each request the engine took."""
         self.max_model_len = max_model_len
         self.limits = limits or RequestLimits()
         self.token_text = R.TokenText(tokenizer)
@@ -72,7 +87,7 @@ class OpenAIServing:
             return body
         if isinstance(prompt[0], (str, list)):
             self._check_num_prompts(len(prompt))
-        elif len(prompt) > self.max_model_len:
+        elif len(prompt) > self.max_model_len and body.get("truncate_prompt_tokens") is None:
             raise _too_long(f"the prompt has {len(prompt)} token ids; this model's context is "
                             f"{self.max_model_len} tokens", "prompt")
         return body
@@ -85,21 +100,32 @@ class OpenAIServing:
         num_prompts = 1 if isinstance(req.prompt, str) or _is_token_list(req.prompt) else len(req.prompt)
         self._check_num_prompts(num_prompts)
         self._check_num_seqs(num_prompts, req.n)
-        for text in texts:
-            self._check_text_fits(text, "prompt")
+        if req.truncate_prompt_tokens is None:  # else cut to fit once tokenized
+            for text in texts:
+                self._check_text_fits(text, "prompt")
         prompts = await _off_loop(self._completion_prompts, req.prompt, chars=sum(map(len, texts)))
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = _request_ids("cmpl", raw)
+        prompts = self._truncate(prompts, req.truncate_prompt_tokens)
         params = [self._params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
-        streams = await self._add(request_id, prompts, params, req, tenant)
+        if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
+            for sp in params:
+                sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
+        streams = await self._add(engine_id, prompts, params, req, tenant)
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage, continuous = _usage_options(req)
             gen = self._stream_completion(request_id, created, streams, params, include_usage,
-                                          req.return_token_ids)
+                                          req.return_token_ids, continuous)
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
+        echo_texts = None
+        if req.echo:
+            echo_texts = [text if text is not None else
+                          (self.tokenizer.decode(ids, False) if self.tokenizer is not None else "")
+                          for text, ids in prompts]
         return JSONResponse(R.completion_body(request_id, self.model_name, created, outs, req.n,
-                                              self.token_text, req.return_token_ids))
+                                              self.token_text, req.return_token_ids, echo=req.echo,
+                                              prompt_texts=echo_texts))
 
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -129,7 +155,8 @@ class OpenAIServing:
 
     async def _stream_completion(self, request_id: str, created: int, streams: list[RequestStream],
                                  params: list[SamplingParams], include_usage: bool,
-                                 return_token_ids: bool = False) -> AsyncIterator[str]:
+                                 return_token_ids: bool = False,
+                                 continuous_usage: bool = False) -> AsyncIterator[str]:
         # a chunk per engine step with new tokens whenever the client can use one without text:
         # logprobs or token ids asked for, or no tokenizer (every text delta empty), as vLLM does
         per_step = return_token_ids or self.tokenizer is None
@@ -155,9 +182,13 @@ class OpenAIServing:
                 sent_tokens[idx] = len(c.token_ids)
                 if c.finished:
                     done.add(idx)
-                yield R.sse(R.completion_chunk(request_id, self.model_name, created, idx, delta,
-                                               c.finish_reason, lp, c.stop_reason,
-                                               list(c.token_ids[start:]) if return_token_ids else None))
+                chunk = R.completion_chunk(request_id, self.model_name, created, idx, delta,
+                                           c.finish_reason, lp, c.stop_reason,
+                                           list(c.token_ids[start:]) if return_token_ids else None)
+                if continuous_usage:
+                    chunk["usage"] = _running_usage(len(out.prompt_token_ids),
+                                                    sum(len(o.token_ids) for o in out.outputs))
+                yield R.sse(chunk)
             if out.finished:
                 finals[p] = out
         if include_usage:
@@ -174,35 +205,67 @@ class OpenAIServing:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_num_seqs(1, req.n)
+        from kvtier.server import tools as T
+
+        mode, fname = T.check_tools(req.tools, req.tool_choice)
+        if mode == "auto" and req.tools and self.tool_parser is None:
+            raise APIError("tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
+                           "--tool-call-parser NAME (as vLLM); or use 'required', a named function or "
+                           "'none'", param="tool_choice")
+        tool_spec = T.constraint(req.tools or [], mode, fname)
+        if tool_spec is not None and req.structured()[0] is not None:
+            raise APIError(f"tool_choice {mode!r} constrains the output, and so does "
+                           f"{req.structured()[1]}: give one", param="tool_choice")
         chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
                     for m in req.messages if m.content is not None)
-        ids = await _off_loop(self._encode_chat, req, chars=chars + 64 * len(req.messages))
+        chars += len(json.dumps(req.tools)) if req.tools and mode != "none" else 0
+        ids = await _off_loop(self._encode_chat, req, mode != "none",
+                              chars=chars + 64 * len(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
-        params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None)]
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._add(request_id, [(None, ids)], params, req, tenant, prompt_param="messages")
+        ids = self._truncate([(None, ids)], req.truncate_prompt_tokens)[0][1]
+        params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None, tool_spec)]
+        tool_state = (mode, fname, self.tool_parser if mode == "auto" else None)
+        request_id, engine_id = _request_ids("chatcmpl", raw)
+        streams = await self._add(engine_id, [(None, ids)], params, req, tenant, prompt_param="messages")
         created = int(time.time())
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            include_usage, continuous = _usage_options(req)
             gen = self._stream_chat(request_id, created, streams[0], params[0], num_top, include_usage,
-                                    req.return_token_ids)
+                                    req.return_token_ids, continuous,
+                                    _kept_prompt_tokens(len(ids), params[0], self.max_model_len),
+                                    tool_state)
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
-        return JSONResponse(R.chat_body(request_id, self.model_name, created, outs[0], num_top,
-                                        self.token_text, req.return_token_ids))
+        body = R.chat_body(request_id, self.model_name, created, outs[0], num_top,
+                           self.token_text, req.return_token_ids)
+        for choice in body["choices"]:
+            content, calls = T.tool_message(choice["message"]["content"], *tool_state)
+            if calls:
+                choice["message"]["content"] = content
+                choice["message"]["tool_calls"] = [c.body() for c in calls]
+                if choice["finish_reason"] == "stop" and tool_state[0] != "named":
+                    choice["finish_reason"] = "tool_calls"  # auto, required; a named call stays "stop" (vLLM, OpenAI)
+        return JSONResponse(body)
 
-    def _encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+    def _encode_chat(self, req: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
         """Render the template, check the text can fit, then tokenize (the template can drop
         or add text, so the bound is checked on what it renders)."""
         from jinja2 import TemplateError
 
+        from kvtier.model.tokenizer import TokenizerError
+
         messages = [m.for_template() for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, req.add_generation_prompt,
-                                                      **(req.chat_template_kwargs or {}))
+            text = self.tokenizer.apply_chat_template(
+                messages, req.add_generation_prompt, tools=req.tools if with_tools else None,
+                chat_template=req.chat_template,
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
         except TemplateError as e:
-            raise APIError(f"the chat template failed on these messages: {e}", param="messages") from None
+            where = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(f"the chat template failed on these messages: {e}", param=where) from None
+        except TokenizerError as e:
+            raise APIError(str(e), param="messages") from None
         except TypeError as e:  # chat_template_kwargs clashing with the template's arguments
             raise APIError(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         self._check_text_fits(text, "messages", what="the rendered chat")
@@ -210,15 +273,24 @@ class OpenAIServing:
 
     async def _stream_chat(self, request_id: str, created: int, stream: RequestStream,
                            sp: SamplingParams, num_top: int, include_usage: bool,
-                           return_token_ids: bool = False) -> AsyncIterator[str]:
+                           return_token_ids: bool = False, continuous_usage: bool = False,
+                           num_prompt_tokens: int = 0,
+                           tool_state: tuple[str, str | None, Any] = ("none", None, None)
+                           ) -> AsyncIterator[str]:
+        from kvtier.server.tools import ToolStream
+
+        tool_streams = {i: ToolStream(*tool_state) for i in range(sp.n)}
         texts: dict[int, StreamText] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         final: RequestOutput | None = None
         for i in range(sp.n):  # the role first, as OpenAI does
             texts[i] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
-            yield R.sse(R.chat_chunk(request_id, self.model_name, created, i,
-                                     {"role": "assistant", "content": ""}, None))
+            chunk = R.chat_chunk(request_id, self.model_name, created, i,
+                                 {"role": "assistant", "content": ""}, None)
+            if continuous_usage:
+                chunk["usage"] = _running_usage(num_prompt_tokens, 0)
+            yield R.sse(chunk)
         async for _, out in _merged([stream]):
             for c in out.outputs:
                 if c.index in done:
@@ -233,10 +305,29 @@ class OpenAIServing:
                 sent_tokens[c.index] = len(c.token_ids)
                 if c.finished:
                     done.add(c.index)
-                yield R.sse(R.chat_chunk(request_id, self.model_name, created, c.index,
-                                         {"content": delta} if delta else {}, c.finish_reason, lp,
-                                         c.stop_reason,
-                                         list(c.token_ids[start:]) if return_token_ids else None))
+                message: dict[str, Any] = {"content": delta} if delta else {}
+                reason = c.finish_reason
+                ts = tool_streams[c.index]
+                if ts.active:  # tool calls: content until a call starts, the calls at the end
+                    safe = ts.feed(delta)
+                    message = {"content": safe} if safe else {}
+                    if c.finished:
+                        rest, calls = ts.finish()
+                        if rest:
+                            message["content"] = rest
+                        if calls:
+                            message["tool_calls"] = [call.body(k) for k, call in enumerate(calls)]
+                            if reason == "stop" and ts.mode != "named":  # vLLM, OpenAI: named stays "stop"
+                                reason = "tool_calls"
+                    if not message and not c.finished and not (return_token_ids or sp.logprobs is not None):
+                        continue
+                chunk = R.chat_chunk(request_id, self.model_name, created, c.index,
+                                     message, reason, lp, c.stop_reason,
+                                     list(c.token_ids[start:]) if return_token_ids else None)
+                if continuous_usage:
+                    chunk["usage"] = _running_usage(num_prompt_tokens,
+                                                    sum(len(o.token_ids) for o in out.outputs))
+                yield R.sse(chunk)
             if out.finished:
                 final = out
         if include_usage and final is not None:
@@ -244,7 +335,80 @@ class OpenAIServing:
                                       [final]))
         yield R.SSE_DONE
 
+    # ------------------------------------------------------------------ /tokenize, /detokenize
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /tokenize: `prompt` (with `add_special_tokens`, default true) or `messages`
+        (the chat template, with `add_generation_prompt`, `continue_final_message`,
+        `chat_template`, `chat_template_kwargs`); `return_token_strs` adds each token's text."""
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer (no tokenizer.json)", param="prompt")
+        from kvtier.server.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+        if "messages" in body:
+            chat = _validated(TokenizeChatRequest, body)
+            req = ChatCompletionRequest.model_validate(
+                {"messages": [m.model_dump() for m in chat.messages],
+                 "add_generation_prompt": chat.add_generation_prompt,
+                 "continue_final_message": chat.continue_final_message,
+                 "chat_template": chat.chat_template,
+                 "chat_template_kwargs": chat.chat_template_kwargs})
+            chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                        for m in req.messages if m.content is not None)
+            ids = await _off_loop(self._encode_chat, req, chars=chars + 64 * len(req.messages))
+            want_strs = chat.return_token_strs
+        else:
+            plain = _validated(TokenizeCompletionRequest, body)
+            self._check_text_fits(plain.prompt, "prompt")
+            ids = await _off_loop(self.tokenizer.encode, plain.prompt, plain.add_special_tokens,
+                                  chars=len(plain.prompt))
+            want_strs = plain.return_token_strs
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
+        if want_strs:
+            out["token_strs"] = [self.token_text(t) for t in ids]
+        return out
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's config (special tokens, class) and its chat
+        template, what a client-side tokenizer (lm-eval's `remote` backend) needs."""
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer (no tokenizer.json)")
+        tok = self.tokenizer
+        info: dict[str, Any] = {k: v for k, v in tok.config.items()
+                                if k not in ("added_tokens_decoder", "chat_template")
+                                and isinstance(v, (str, int, float, bool, type(None), list, dict))}
+        info.update({"tokenizer_class": info.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                     "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                     "pad_token": info.get("pad_token"), "model_max_length": self.max_model_len,
+                     "chat_template": tok.chat_template})
+        return info
+
+    async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /detokenize: `tokens` (ids in the vocabulary) -> `prompt` (their text)."""
+        if self.tokenizer is None:
+            raise APIError("this model has no tokenizer (no tokenizer.json)", param="tokens")
+        from kvtier.server.protocol import DetokenizeRequest
+        req = _validated(DetokenizeRequest, body)
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+        text = await _off_loop(self.tokenizer.decode, req.tokens, False, chars=len(req.tokens))
+        return {"prompt": text}
+
     # ------------------------------------------------------------------ shared
+    def _truncate(self, prompts: list[Prompt], keep: int | None) -> list[Prompt]:
+        """truncate_prompt_tokens applied here (the engine would do the same), so that usage,
+        echo and the request log see the prompt the engine runs."""
+        if keep is None:
+            return prompts
+        if not isinstance(keep, int) or (keep < 1 and keep != -1):
+            raise APIError(f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}",
+                           param="truncate_prompt_tokens")
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        if keep >= self.max_model_len:
+            raise APIError(f"truncate_prompt_tokens ({keep}) must be below this model's context "
+                           f"of {self.max_model_len} tokens", param="truncate_prompt_tokens")
+        return [(text, ids) if len(ids) <= keep else (None, ids[-keep:]) for text, ids in prompts]
+
     def _check_num_prompts(self, num_prompts: int) -> None:
         limit = self.limits.max_prompts_per_request
         if num_prompts > limit:
@@ -269,7 +433,7 @@ class OpenAIServing:
                             "shorten it", param)
 
     def _check_common(self, req: _SamplingFields) -> None:
-        if req.model is not None and req.model != self.model_name:
+        if req.model is not None and req.model not in self.model_names:
             raise APIError(f"the model {req.model!r} does not exist; this server serves "
                            f"{self.model_name!r} (see /v1/models)", 404, param="model",
                            code="model_not_found")
@@ -279,20 +443,40 @@ class OpenAIServing:
                            param=bad[0])
 
     def _params(self, req: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None) -> SamplingParams:
-        if max_tokens is None:  # as much as the context allows
-            max_tokens = max(self.max_model_len - len(prompt_ids), 1)
+                logprobs: int | None, structured_spec: dict[str, Any] | None = None) -> SamplingParams:
+        from kvtier.structured import StructuredOutputsParams
+
+        spec, source = req.structured()
+        if structured_spec is not None:
+            spec, source = structured_spec, "tool_choice"
+        if spec is not None and self.structured_defaults:
+            spec = {**self.structured_defaults, **spec}
+        try:
+            structured = StructuredOutputsParams.coerce(spec)
+        except ValueError as e:
+            raise APIError(str(e), param=source) from None
+        d = self.defaults
+        room = max(self.max_model_len - len(prompt_ids), 1)
+        if max_tokens is None:  # as much as the context allows (or generation_config's max_new_tokens)
+            max_tokens = min(d.get("max_tokens", room), room)
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=0 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
+                top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
+                top_k=d.get("top_k", 0) if req.top_k is None else req.top_k,
+                min_p=d.get("min_p", 0.0) if req.min_p is None else req.min_p,
                 seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=(d.get("repetition_penalty", 1.0) if req.repetition_penalty is None
+                                    else req.repetition_penalty),
+                logit_bias=req.token_logit_bias(), allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
+                prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
         except ValueError as e:
             raise _value_error(e) from None
 
@@ -306,11 +490,17 @@ class OpenAIServing:
             th = tenant_hash(tenant.name)
             for spec in specs:
                 self.request_log.register(spec.request_id, th)
+        if self.on_added is not None:  # before: a short request can end before add returns
+            for spec in specs:
+                self.on_added(spec.request_id, spec.params.max_tokens)
         try:
             return await self.engine.add(specs)
-        except ValueError as e:
-            raise _value_error(e, prompt_param) from None
-        except EngineDeadError as e:
+        except (ValueError, EngineDeadError) as e:
+            if self.on_added is not None:
+                for spec in specs:
+                    self.on_added(spec.request_id, None)
+            if isinstance(e, ValueError):
+                raise _value_error(e, prompt_param) from None
             raise APIError(str(e), 503, type="server_error") from None
 
     async def _wait_final(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
@@ -339,6 +529,57 @@ class OpenAIServing:
             if not work.done():
                 work.cancel()
             _abort_unfinished(self.engine, streams)
+
+
+def _validated(model: Any, body: dict[str, Any]) -> Any:
+    from pydantic import ValidationError
+
+    from kvtier.server.protocol import validation_error
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def valid_request_id(rid: str) -> bool:
+    """An X-Request-Id kvtier takes: 1-128 printable ASCII characters, no spaces."""
+    return _REQUEST_ID.fullmatch(rid) is not None
+
+
+def _request_ids(prefix: str, raw: Request) -> tuple[str, str]:
+    """(the id the response carries, the engine's id): `prefix-<X-Request-Id>` when the client
+    sent a usable one (the engine's id then gets a random suffix: two clients may send the same
+    header), else a random id for both."""
+    rid = raw.headers.get("x-request-id")
+    if rid is not None and valid_request_id(rid):
+        public = f"{prefix}-{rid}"
+        return public, f"{public}.{uuid.uuid4().hex[:12]}"
+    public = f"{prefix}-{uuid.uuid4().hex}"
+    return public, public
+
+
+def _usage_options(req: _SamplingFields) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats): vLLM's stream_options; the running usage in
+    every chunk needs include_usage too, as in vLLM."""
+    opts = req.stream_options
+    if opts is None:
+        return False, False
+    return opts.include_usage, opts.include_usage and opts.continuous_usage_stats
+
+
+def _kept_prompt_tokens(n: int, sp: SamplingParams, max_model_len: int) -> int:
+    keep = sp.truncate_prompt_tokens
+    if keep is None:
+        return n
+    return min(n, max_model_len - 1 if keep == -1 else keep)
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _is_token_list(prompt: Any) -> bool:
@@ -433,7 +674,9 @@ async def _errors_as_events(content: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 _PARAM_NAMES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "min_tokens",
-                "stop", "prompt", "cache_salt", "token id", "request id")
+                "stop", "prompt", "cache_salt", "token id", "request id", "presence_penalty",
+                "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+                "bad_words", "truncate_prompt_tokens", "priority", "structured_outputs")
 
 
 def _value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:

@@ -109,11 +109,12 @@ class MemoryTier(Tier):
         self._usage_bytes = 0
 
     # -- the hot operations, lean (same results and counters as Tier's, no locks or gate)
-    def contains_prefix(self, keys: list[bytes]) -> int:
+    def contains_prefix(self, keys: list[bytes], count: bool = True) -> int:
         n = self._contains_prefix(keys)
-        s = self._stats
-        s.lookups += len(keys)
-        s.lookup_hits += n
+        if count:  # as Tier.contains_prefix: a repeated or store-side check is no query
+            s = self._stats
+            s.lookups += len(keys)
+            s.lookup_hits += n
         return n
 
     def get(self, key: bytes) -> Any:

@@ -511,8 +511,10 @@ class Tier(TierCounters, ABC):
         tier's owner sets) to touch the backend. Raises TierError as `_run` does."""
         return self._run(op, fn)
 
-    def contains_prefix(self, keys: list[bytes]) -> int:
-        """How many LEADING keys are present. Cheap: index lookups or one round trip."""
+    def contains_prefix(self, keys: list[bytes], count: bool = True) -> int:
+        """How many LEADING keys are present. Cheap: index lookups or one round trip.
+        `count=False`: not a prefix-cache query (a store checking what is there already, a
+        retried admission), so the lookup counters leave it out."""
         if not keys:
             return 0
         for key in keys:
@@ -522,7 +524,8 @@ class Tier(TierCounters, ABC):
             num_found = self._run("contains_prefix", lambda: self._contains_prefix(keys))
         except TierError:
             return 0
-        self._count(lookups=len(keys), lookup_hits=num_found, read_s=time.perf_counter() - t0)
+        if count:
+            self._count(lookups=len(keys), lookup_hits=num_found, read_s=time.perf_counter() - t0)
         return num_found
 
     def get(self, key: bytes) -> bytes | None:

@@ -252,8 +252,9 @@ class TierHierarchy:
         self.cost.tiers[name].observe_lookup(time.perf_counter() - t0)
         return n
 
-    def runs(self, keys: list[bytes], start: int, remote_prefix: int = 0) -> list[TierRun]:
-        """Stored blocks from keys[start]: consecutive runs, each in the fastest tier holding it."""
+    def runs(self, keys: list[bytes], start: int, remote_prefix: int = 0, count: bool = True) -> list[TierRun]:
+        """Stored blocks from keys[start]: consecutive runs, each in the fastest tier holding it.
+        `count=False` for a lookup that repeats one already counted (see contains_prefix)."""
         runs: list[TierRun] = []
         p = start
         for _ in range(16):
@@ -263,7 +264,7 @@ class TierHierarchy:
             for name in ("host", "disk"):
                 tier = self.tiers.get(name)
                 if tier is not None:
-                    n = tier.contains_prefix(keys[p:])
+                    n = tier.contains_prefix(keys[p:], count=count)
                     if n:
                         break
             if not n and remote_prefix > p:
@@ -501,7 +502,7 @@ class TierHierarchy:
             data = None
             for name in names:
                 tier = self.tiers[name]
-                if name == "disk" and tier.contains_prefix([key]):
+                if name == "disk" and tier.contains_prefix([key], count=False):
                     continue
                 if data is None:
                     try:

@@ -55,16 +55,17 @@ class HostTier(TierCounters):
         return key in self._entries
 
     # ------------------------------------------------------------------ operations
-    def contains_prefix(self, keys: list[bytes]) -> int:
+    def contains_prefix(self, keys: list[bytes], count: bool = True) -> int:
         n = 0
         entries = self._entries
         for key in keys:
             if key not in entries:
                 break
             n += 1
-        with self._lock:
-            self._stats.lookups += len(keys)
-            self._stats.lookup_hits += n
+        if count:
+            with self._lock:
+                self._stats.lookups += len(keys)
+                self._stats.lookup_hits += n
         return n
 
     def get(self, key: bytes):

@@ -86,6 +86,10 @@ def test_logprobs(llm):
         assert tok in lp and len(lp) >= 3
         assert lp[tok] == max(lp.values())  # greedy picks the top token
         assert all(v <= 0 for v in lp.values())
+        # vLLM's Logprob shape: .logprob, .rank (1 = most likely), .decoded_token
+        assert lp[tok].rank == 1 and lp[tok].logprob == lp[tok]
+        assert lp[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
+        assert sorted(v.rank for v in lp.values()) == list(range(1, len(lp) + 1))
     assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
                         rel_tol=1e-5)
 

@@ -201,6 +201,27 @@ def test_a_q8_0_gguf_file_matches_transformers_gguf_loading(tiny_model_dirs, tmp
     llm.check_integrity()
 
 
+def test_convert_writes_a_directory_with_the_same_logits_and_tokenizer(tiny_model_dirs, tmp_path):
+    """`kvtier convert MODEL.gguf DIR`: the directory gives the file's logits exactly, its
+    tokenizer and template, and transformers reads it."""
+    from kvtier.cli.main import main
+
+    path = write_gguf(tiny_model_dirs["llama"], tmp_path / "llama-q8.gguf", "llama", matrix_type="Q8_0")
+    out = tmp_path / "converted"
+    assert main(["convert", str(path), str(out)]) == 0
+    ids = [(13 * i + 7) % 500 for i in range(11)]
+    torch.testing.assert_close(logits(out, ids), logits(path, ids), rtol=0, atol=0)
+    a, b = Tokenizer(path), Tokenizer(out)
+    assert a.encode("heat the tea") == b.encode("heat the tea")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert a.apply_chat_template(msgs) == b.apply_chat_template(msgs)
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits(out, ids), want, rtol=1e-4, atol=1e-4)
+
+
 def test_the_tokenizer_and_template_come_from_the_metadata(tiny_model_dirs, tmp_path):
     path = write_gguf(tiny_model_dirs["llama"], tmp_path / "llama.gguf", "llama")
     tok = Tokenizer(path)

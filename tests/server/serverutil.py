@@ -83,16 +83,21 @@ def stop_server(server: Server) -> None:
     stop_process(server.proc, timeout_s=15)
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels): value}."""
+def scrape(url: str, model_name: bool = False) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels): value}. Every series carries the served
+    model's `model_name` label (as vLLM's do); it is left out of the keys unless `model_name`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     r = httpx.get(f"{url}/metrics", timeout=10)
     assert r.status_code == 200
-    out = {}
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
     for family in text_string_to_metric_families(r.text):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            if not model_name:
+                labels.pop("model_name", None)
+            key = (s.name, tuple(sorted(labels.items())))
+            out[key] = out.get(key, 0.0) + s.value
     return out
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.cli.main import build_parser, engine_kwargs
+from kvtier.cli.main import build_parser, engine_kwargs, main
 
 
 def parse(*argv: str):
@@ -23,13 +23,20 @@ def test_defaults_and_shared_engine_flags():
 def test_server_flags():
     args, _ = parse("--model", "m", "--host", "0.0.0.0", "--port", "9001", "--served-model-name", "llama",
                     "--max-body-bytes", "64KiB")
-    assert (args.host, args.port, args.served_model_name, args.max_body_bytes) == ("0.0.0.0", 9001, "llama", 64 << 10)
+    assert (args.host, args.port, args.served_model_name, args.max_body_bytes) == ("0.0.0.0", 9001, ["llama"], 64 << 10)
 
 
-@pytest.mark.parametrize("argv", [[], ["--model", "m", "--port", "70000"], ["--model", "m", "--max-body-bytes", "0"],
+@pytest.mark.parametrize("argv", [["--model", "m", "--port", "70000"], ["--model", "m", "--max-body-bytes", "0"],
                                   ["--model", "m", "--disk-cache-bytes", "1GiB"]])
 def test_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as e:
         parse(*argv)
     assert e.value.code == 2
+    assert "kvtier: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["a", "--model", "b"]])
+def test_serve_needs_one_model(argv, capsys):
+    """vLLM's `serve MODEL` or kvtier's `--model`: none, or two different ones, is a usage error."""
+    assert main(["serve", *argv]) == 2
     assert "kvtier: error:" in capsys.readouterr().err

@@ -15,10 +15,14 @@ SP = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 
 
 def parse(text: bytes) -> dict:
+    """{(sample name, sorted labels): value}; the model_name label every series carries is
+    checked here and left out of the keys."""
     out = {}
     for family in text_string_to_metric_families(text.decode()):
         for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            labels = dict(s.labels)
+            assert labels.pop("model_name", None), f"{s.name} has no model_name label"
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
     return out
 
 
