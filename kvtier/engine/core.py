@@ -360,8 +360,20 @@ class EngineCore:
         if self._mask_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-grammar")
-        return self._mask_pool.submit(lambda: {rid: m.allowed() for rid, m in jobs})
+            from kvtier import threads
+
+            # off the compute CPUs (it would inherit the engine thread's pin and take its core)
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-grammar",
+                                                 initializer=threads.on_helper_thread)
+        from kvtier.model.sampler import mask_bias
+        from kvtier.structured import allowed_masks
+
+        def masks() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+            rows = allowed_masks([m for _, m in jobs])
+            bias = mask_bias(rows)  # the sampler adds it: cheaper than masked_fill on the CPU
+            return {rid: (rows[i], bias[i]) for i, (rid, _) in enumerate(jobs)}
+
+        return self._mask_pool.submit(masks)
 
     def _prompt_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[_Group, int]]]:
         """The step's token rows whose logits score a prompt token of a request that asked for
@@ -584,9 +596,9 @@ class EngineCore:
             if not seq.sample:
                 continue
             req = self.scheduler.requests[seq.req_id]
-            allowed = masks.get(req.req_id)
+            allowed, bias = masks.get(req.req_id, (None, None))
             rows.append(SampleRow(r, req.sampling, self._generators.get(req.req_id, self._default_gen),
-                                  req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, allowed))
+                                  req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, allowed, bias))
             self._row_keys.append(req.req_id)
             group = self._seq_group[req.req_id]
             if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids \
@@ -600,7 +612,7 @@ class EngineCore:
                     gen = (torch.Generator(device="cpu").manual_seed(sp.seed)
                            if sp.seed is not None else self._default_gen)
                     forks[req.req_id].append(len(rows))
-                    rows.append(SampleRow(r, sp, gen, req.prompt_token_ids, [], req.eos_token_ids, allowed))
+                    rows.append(SampleRow(r, sp, gen, req.prompt_token_ids, [], req.eos_token_ids, allowed, bias))
                     self._row_keys.append(f"{req.req_id}#fork{i}")
             r += 1
         return rows, forks

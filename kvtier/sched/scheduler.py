@@ -13,10 +13,10 @@ full blocks stay cached, so resuming is mostly a prefix hit) and it waits at the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 import time
-
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cost.model import take_runs
@@ -25,6 +25,8 @@ from kvtier.kvcache.manager import KVCacheManager, cdiv
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 from kvtier.sched.queues import make_queue
 from kvtier.sched.request import Request, RequestStatus
+
+logger = logging.getLogger("kvtier.sched")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class Scheduler:
         self.restore_decisions: Counter[str] = Counter()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_failed_loads = 0
+        """Restores whose load raised: their blocks were recomputed (each is logged)."""
         self.num_inflight_waits = 0
         """Times a waiting request was held because its next block was being computed by a
         running prefill (it is admitted as a prefix hit once that block is cached)."""
@@ -303,7 +307,10 @@ class Scheduler:
                 result = req.load_future.result()
                 tensors, per_tier = result.tensors, result.per_tier
                 req.restore_s += result.seconds + result.queue_s
-            except Exception:  # a broken load is a miss: recompute
+            except Exception:  # a broken load is a miss: recompute, and say so
+                self.num_failed_loads += 1
+                logger.warning("request %s: restoring %d blocks from the tiers failed; they are recomputed",
+                               req.req_id, len(req.restore_keys or ()), exc_info=True)
                 tensors, per_tier = [], {}
             n = self.kv.finish_restore(req.req_id, req.restore_keys, tensors)
             req.num_computed_tokens += n * bs

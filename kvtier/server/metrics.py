@@ -35,6 +35,7 @@ vLLM's request-level set (all labelled model_name):
     kvtier:tier_errors_total                    tier, kind      failed operations; kind=corrupt
                                                                 counts entries that failed checks
     kvtier:restore_decisions_total              decision        restore | partial | recompute | none
+    kvtier:restore_failures_total               -               restores whose load raised (recomputed)
     kvtier:restore_seconds                      tier            histogram, per request that restored
     kvtier:recomputed_tokens_total              -               prompt tokens computed
     kvtier:time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds
@@ -166,6 +167,10 @@ class EngineCollector(Collector):
         for kind, n in sorted(_copy(sched.restore_decisions).items()):
             decisions.add_metric([kind], n)
         yield decisions
+        failed = CounterMetricFamily(PREFIX + "restore_failures", "Restores whose load failed "
+                                     "(their blocks were recomputed; each is logged).")
+        failed.add_metric([], getattr(sched, "num_failed_loads", 0))
+        yield failed
 
         yield _gauge("num_requests_running", "Sequences running.", len(sched.running))
         yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting))

@@ -315,10 +315,6 @@ class TierStats:
         return out
 
     @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
-    @property
     def num_errors(self) -> int:
         return sum(self.errors.values())
 

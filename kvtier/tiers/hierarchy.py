@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
 DEFAULT_OWNER = "_default"
+"""The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -43,7 +44,8 @@ def owner_id(owner: str | None) -> str:
     import hashlib
 
     return hashlib.sha256((owner or DEFAULT_OWNER).encode("utf-8")).hexdigest()[:32]
-"""The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
+
+
 TIER_ORDER = ("host", "disk", "remote")
 
 
@@ -739,9 +741,6 @@ class TierHierarchy:
 
     def usage(self) -> dict[str, tuple[int, int | None]]:
         return {name: (tier.usage_bytes, tier.capacity_bytes) for name, tier in self.tiers.items()}
-
-    def set_faults(self, tier: str, config: FaultConfig | None) -> None:
-        self.tiers[tier].faults = config
 
     def close(self) -> None:
         self._closed = True

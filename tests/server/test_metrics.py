@@ -82,3 +82,25 @@ def test_grafana_dashboard_uses_exported_series(server_model_dir):
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs for m in re.findall(r"kvtier:[a-z0-9_]+", e)}
     assert used and used <= families, used - families
+
+
+def test_lower_tiers_are_queried_only_after_a_miss_above(server_model_dir, tmp_path):
+    """prefix_cache_queries_total by tier: a lower tier is asked only for what the tiers above
+    missed, once per admission (a request waiting for space and retrying is no new query; a
+    store checking what the disk holds is none): device >= host >= disk, in tokens."""
+    llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=24, block_size=4,
+              host_cache_bytes=96 << 10, disk_cache_dir=str(tmp_path / "disk"), disk_cache_bytes=8 << 20,
+              restore_policy="always", max_num_seqs=4)
+    metrics = ServerMetrics(llm.engine)
+    shared = prompts(7, 6, length=36)
+    for r in range(3):  # revisits under pressure: restores from host and disk, waits for space
+        llm.generate(shared[r % 2::2] + prompts(10 + r, 4, length=36), SP)
+    llm.engine.tiers.flush(10.0)
+    m = parse(metrics.render())
+    q = {t: m.get(("kvtier:prefix_cache_queries_total", (("tier", t),)), 0.0) for t in ("device", "host", "disk")}
+    h = {t: m.get(("kvtier:prefix_cache_hits_total", (("tier", t),)), 0.0) for t in ("device", "host", "disk")}
+    assert q["disk"] > 0 and h["host"] + h["disk"] > 0, (q, h)
+    assert q["device"] >= q["host"] >= q["disk"], q
+    assert q["host"] <= q["device"] - h["device"], (q, h)  # only what the device missed
+    llm.check_integrity()
+    llm.close()
