@@ -1,7 +1,8 @@
-"""Layer boundaries: the bookkeeping layers import no torch, FastAPI or Prometheus client.
+"""Layer boundaries: the bookkeeping layers import no torch, FastAPI, Prometheus client or redis.
 
-The simulator and the property tests drive kvcache/, sched/ and cost/ with no model, so importing
-them must not pull in heavy or server-side packages (docs/architecture.md, "Layers and packages")."""
+The simulator and the property tests drive kvcache/, sched/, cost/, the tier base and the tier
+hierarchy with no model, so importing them must not pull in heavy or server-side packages
+(docs/architecture.md, "Layers and packages"); redis belongs to kvtier/tiers/remote.py alone."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ["kvtier.kvcache", "kvtier.sched", "kvtier.cost"]
-FORBIDDEN = ["torch", "fastapi", "prometheus_client"]
+PACKAGES = ["kvtier.kvcache", "kvtier.sched", "kvtier.cost", "kvtier.sim", "kvtier.tiers.base",
+            "kvtier.tiers.hierarchy"]
+"""Packages (every module in them) and single modules."""
+FORBIDDEN = ["torch", "fastapi", "prometheus_client", "redis"]
 
 # Imports every module of each package that exists, one at a time, and records which forbidden
 # top-level packages appeared in sys.modules after each import. With "stub", the top-level
@@ -37,7 +40,9 @@ if stub:
 for pkg in packages:
     if importlib.util.find_spec(pkg) is None:
         continue
-    names = [pkg] + [info.name for info in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + ".")]
+    mod = importlib.import_module(pkg)
+    names = [pkg] + ([info.name for info in pkgutil.walk_packages(mod.__path__, pkg + ".")]
+                     if hasattr(mod, "__path__") else [])
     for name in names:
         importlib.import_module(name)
         report["imported"].append(name)
@@ -69,3 +74,14 @@ def test_bookkeeping_layers_import_no_torch_fastapi_or_prometheus(mode: str) -> 
         f"{culprits}; move the import into the layer that needs it or import it lazily"
         + (" (kvtier/__init__.py runs first: make its re-exports lazy, PEP 562 __getattr__)"
            if mode == "real" else ""))
+
+
+def test_the_cache_layer_does_not_import_the_scheduler() -> None:
+    """kvcache/ sits below sched/: the scheduler's records it needs (BlockCopy) live in kvcache."""
+    code = ("import importlib, pkgutil, sys, kvtier.kvcache as k\n"
+            "[importlib.import_module(i.name) for i in pkgutil.walk_packages(k.__path__, 'kvtier.kvcache.')]\n"
+            "print(sorted(m for m in sys.modules if m.startswith('kvtier.sched')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout

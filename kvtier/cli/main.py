@@ -16,10 +16,8 @@ from typing import Any
 
 from kvtier.model.kv_names import KV_CACHE_DTYPES  # torch-free: flags are checked before torch loads
 
-# Tier names and write policies, as kvtier.tiers.hierarchy spells them (not imported here so
-# that `kvtier --help` and flag errors do not wait for torch).
-TIERS = ("host", "disk", "remote")
-WRITE_POLICIES = ("write_through", "write_back", "selective")
+# torch-free too (tests/test_boundaries.py checks it): `kvtier --help` and flag errors do not wait for torch
+from kvtier.tiers.hierarchy import TIER_ORDER as TIERS, WRITE_POLICIES  # noqa: E402
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _SIZE_UNITS = {

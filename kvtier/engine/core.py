@@ -476,18 +476,22 @@ class EngineCore:
         tiers) runs the tier part on the admin worker; see TierHierarchy.begin_purge."""
         if self.tiers is not None:
             self._store_blocks()
+        removed = self._evict_cached(lambda n: n.owner == tenant)
+        counts = {"device": removed,
+                  "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
+        future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
+        return counts, future
+
+    def _evict_cached(self, select) -> int:
+        """Evict the unreferenced device blocks whose prefix-index node `select` picks; a parent
+        can go only after its children, so repeat until a round evicts nothing. Returns how many."""
         pool, index = self.kv.pool, self.kv.index
         removed = 0
         while True:
-            mine = [n.key for n in index.nodes() if n.owner == tenant]
-            n = sum(pool.evict_cached(key) for key in mine)  # leaves go first; repeat for parents
+            n = sum(pool.evict_cached(key) for key in [node.key for node in index.nodes() if select(node)])
             removed += n
             if n == 0:
-                break
-        counts = {"device": removed,
-                  "device_in_use": sum(1 for n in index.nodes() if n.owner == tenant)}
-        future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
-        return counts, future
+                return removed
 
     def purge_tenant(self, tenant: str | None) -> dict[str, Any]:
         """Abort `tenant`'s requests, delete its KV from the device pool and every tier, and
@@ -546,15 +550,8 @@ class EngineCore:
         """The device part of `sweep_expired` now; the tier part on the admin worker."""
         out: dict[str, dict[str, int]] = {}
         now = time.monotonic()
-        pool, index = self.kv.pool, self.kv.index
         for tenant, ttl in self.tenant_ttl_s.items():
-            removed = 0
-            while True:
-                old = [n.key for n in index.nodes() if n.owner == tenant and n.created < now - ttl]
-                n = sum(pool.evict_cached(key) for key in old)
-                removed += n
-                if n == 0:
-                    break
+            removed = self._evict_cached(lambda n, t=tenant, cut=now - ttl: n.owner == t and n.created < cut)
             out[str(tenant)] = {"device": removed}
         if self.tiers is None or not self.tenant_ttl_s:
             return out, None

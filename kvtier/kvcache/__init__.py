@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: no tensors, no I/O (the simulator drives the same code)."""
 
-from kvtier.kvcache.block_pool import Block, BlockPool, NoFreeBlocksError
+from kvtier.kvcache.block_pool import Block, BlockCopy, BlockPool, NoFreeBlocksError
 from kvtier.kvcache.keys import BlockKey, block_key, chain_keys, hash_id_key, root_key
 from kvtier.kvcache.manager import KVCacheManager, PrefixMatch
 from kvtier.kvcache.policy import LFUPolicy, LRUPolicy, make_policy
@@ -9,5 +9,5 @@ from kvtier.kvcache.prefix_index import CachedBlock, PrefixIndex
 __all__ = [
     "Block", "BlockPool", "NoFreeBlocksError", "BlockKey", "block_key", "chain_keys", "hash_id_key",
     "root_key", "KVCacheManager", "PrefixMatch", "LFUPolicy", "LRUPolicy", "make_policy",
-    "CachedBlock", "PrefixIndex",
+    "CachedBlock", "PrefixIndex", "BlockCopy",
 ]

@@ -187,3 +187,14 @@ class BlockPool:
         used = sum(1 for b in self.blocks if b.ref_cnt > 0) + num_pinned
         assert used == self.num_used_blocks, "used blocks miscounted"
         assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
+
+
+@dataclass(slots=True)
+class BlockCopy:
+    """Copy the first `num_tokens` slots of block `src_block` into `dst_block` (every layer, K
+    and V) before a step's forward pass: token-granular prefix reuse and forks. The cache
+    manager makes them; the runner executes them (SchedulerOutput.block_copies)."""
+
+    src_block: int
+    dst_block: int
+    num_tokens: int

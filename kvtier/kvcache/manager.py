@@ -15,10 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from kvtier.kvcache.block_pool import BlockPool
+from kvtier.kvcache.block_pool import BlockCopy, BlockPool
 from kvtier.kvcache.keys import BlockKey, block_key
 from kvtier.kvcache.prefix_index import PrefixIndex
-from kvtier.sched.output import BlockCopy
 
 
 def cdiv(a: int, b: int) -> int:

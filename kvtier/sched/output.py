@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.kvcache.block_pool import BlockCopy  # noqa: F401 - part of this contract; made by the cache layer
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -39,13 +41,6 @@ class ScheduledSeq:
     def seq_len(self) -> int:
         """Context length after this step."""
         return self.start_pos + len(self.token_ids)
-
-
-@dataclass(slots=True)
-class BlockCopy:
-    src_block: int
-    dst_block: int
-    num_tokens: int
 
 
 @dataclass(slots=True)

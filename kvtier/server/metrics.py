@@ -63,6 +63,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from kvtier.outputs import RequestOutput
+from kvtier.tiers.hierarchy import TIER_ORDER
 
 PREFIX = "kvtier:"
 
@@ -343,12 +344,9 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-_TIER_ORDER = ("host", "disk", "remote")
-
-
 def _deepest_tier(by_tier: dict[str, int]) -> str | None:
     deepest = None
-    for name in _TIER_ORDER:
+    for name in TIER_ORDER:
         if by_tier.get(name):
             deepest = name
     return deepest
