@@ -17,3 +17,12 @@ def byte_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                        intermediate_size=128, vocab_size=vocab, max_position_embeddings=256,
                        dtype="float32", bos_token_id=256, eos_token_id=257)
     return d
+
+
+@pytest.fixture(scope="module")
+def llm(byte_model_dir: Path):
+    """The offline engine over the byte model, shared by a file's tests (each ends clean)."""
+    from kvtier import LLM
+
+    with LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4) as llm:
+        yield llm

@@ -7,17 +7,10 @@ import math
 
 import pytest
 
+from engineutil import clean
 from kvtier import LLM, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def llm(byte_model_dir):
-    return LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4)
-
-
-def clean(llm: LLM) -> None:
-    llm.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_pool_reported(llm):

@@ -8,18 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engineutil import clean
 from kvtier import LLM, SamplingParams
 from kvtier.model.sampler import SampleRow, process_row
 
 
-@pytest.fixture(scope="module")
-def llm(byte_model_dir):
-    return LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4)
-
-
-def clean(llm: LLM) -> None:
-    llm.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def _vllm_penalised(logits: torch.Tensor, prompt: list[int], out: list[int], rp: float, fp: float,

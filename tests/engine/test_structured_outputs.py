@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from engineutil import clean
 from kvtier import LLM, SamplingParams
 from kvtier.structured import StructuredOutputsParams
 
@@ -25,9 +26,6 @@ def llm(byte_model_dir):
         yield llm
 
 
-def clean(llm: LLM) -> None:
-    llm.check_integrity()
-    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
 
 
 def test_json_schema_greedy_and_sampled(llm):

@@ -65,3 +65,15 @@ def redis_url(tmp_path_factory):
     stop_redis(proc)
 
 
+
+
+@pytest.fixture(scope="module")
+def llm(server_model_dir: Path):
+    """The offline engine over the servers' checkpoint and pool: what a server must match."""
+    from kvtier import LLM
+
+    from serverutil import BLOCK_SIZE, NUM_DEVICE_BLOCKS
+
+    with LLM(str(server_model_dir), dtype="float32", num_device_blocks=NUM_DEVICE_BLOCKS,
+             block_size=BLOCK_SIZE) as llm:
+        yield llm

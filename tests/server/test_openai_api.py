@@ -7,21 +7,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvtier import LLM, SamplingParams
-from serverutil import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, NUM_DEVICE_BLOCKS, scrape
+from kvtier import SamplingParams
+from serverutil import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, scrape
 
 pytest.importorskip("openai")
 
 GREEDY = dict(temperature=0.0, extra_body={"ignore_eos": True})
 PROMPT = "The quick brown fox jumps over the lazy dog. "
-
-
-@pytest.fixture(scope="module")
-def llm(server_model_dir):
-    """The offline engine over the same checkpoint and pool: the server's reference."""
-    with LLM(str(server_model_dir), dtype="float32", num_device_blocks=NUM_DEVICE_BLOCKS,
-             block_size=BLOCK_SIZE) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")

@@ -11,19 +11,12 @@ import json
 import httpx
 import pytest
 
-from kvtier import LLM, SamplingParams
-from serverutil import BLOCK_SIZE, MODEL_NAME, NUM_DEVICE_BLOCKS
+from kvtier import SamplingParams
+from serverutil import MODEL_NAME
 
 pytest.importorskip("openai")
 
 PROMPT = "The quick brown fox jumps over the lazy dog. "
-
-
-@pytest.fixture(scope="module")
-def llm(server_model_dir):
-    with LLM(str(server_model_dir), dtype="float32", num_device_blocks=NUM_DEVICE_BLOCKS,
-             block_size=BLOCK_SIZE) as llm:
-        yield llm
 
 
 @pytest.fixture(scope="module")
