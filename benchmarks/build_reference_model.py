@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvtier.model.builder import REFERENCE_MODEL, build_random_llama  # noqa: E402
+from kvtier.model.builder import REFERENCE_MODEL, build_random_llama
 
 DEFAULT_DIR = "/tmp/kvtier-ref"
 

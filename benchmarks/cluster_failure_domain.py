@@ -48,7 +48,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kvtier.kvcache import keys as kvkeys  # noqa: E402
+from kvtier.kvcache import keys as kvkeys
 
 
 def _free_port_pair() -> int:
@@ -81,15 +81,47 @@ class Cluster:
             d = root / str(port)
             d.mkdir(parents=True)
             self.procs[port] = subprocess.Popen(
-                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--dir", str(d), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                 "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
-                 "--protected-mode", "no"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    binary,
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(d),
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--cluster-require-full-coverage",
+                    "no",
+                    "--protected-mode",
+                    "no",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         for port in ports:
-            self._wait(lambda: self.client(port).ping())
-        subprocess.run([cli, "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
-                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True)
+            self._wait(lambda port=port: self.client(port).ping())
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                "1",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+        )
         self._wait(lambda: all(self.client(p).cluster("info")["cluster_state"] == "ok" for p in ports))
         self.masters = [p for p in ports if self.client(p).execute_command("ROLE")[0] == b"master"]
         self.replica_of: dict[int, int] = {}
@@ -97,8 +129,11 @@ class Cluster:
             info = self.client(p).info("replication")
             if info["role"] == "slave":
                 self.replica_of[int(info["master_port"])] = p
-        self._wait(lambda: all(self.client(p).info("replication").get("master_link_status") == "up"
-                               for p in self.replica_of.values()))
+        self._wait(
+            lambda: all(
+                self.client(p).info("replication").get("master_link_status") == "up" for p in self.replica_of.values()
+            )
+        )
 
     @staticmethod
     def client(port: int) -> redis.Redis:
@@ -118,8 +153,7 @@ class Cluster:
             time.sleep(0.05)
 
     def cluster_client(self) -> RedisCluster:
-        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.masters],
-                            socket_timeout=10)
+        return RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", p) for p in self.masters], socket_timeout=10)
 
     def slot_owner(self) -> list[int]:
         owner = [0] * 16384
@@ -182,7 +216,7 @@ def measure_scheme(cluster: Cluster, scheme: str, args: argparse.Namespace) -> d
     for chain in chains:
         for start in range(0, len(chain), 32):
             pipe = rc.pipeline()
-            for name in chain[start:start + 32]:
+            for name in chain[start : start + 32]:
                 pipe.set(name, frame)
             pipe.execute()
     owner = cluster.slot_owner()
@@ -205,18 +239,20 @@ def measure_scheme(cluster: Cluster, scheme: str, args: argparse.Namespace) -> d
     rc.close()
     for m in cluster.masters:
         cluster.client(m).flushall()
-    return {"restore_ms": {"median": round(statistics.median(times_ms), 2), "p10": round(q[0], 2),
-                           "p90": round(q[-1], 2)},
-            "restore_mb_per_s": round(args.blocks * len(frame) / 1e6 / (statistics.median(times_ms) / 1e3), 1),
-            "keys_per_master": sorted(keys_per.values()),
-            "balance_max_over_mean": round(max(keys_per.values()) / mean_keys, 3)}
+    return {
+        "restore_ms": {"median": round(statistics.median(times_ms), 2), "p10": round(q[0], 2), "p90": round(q[-1], 2)},
+        "restore_mb_per_s": round(args.blocks * len(frame) / 1e6 / (statistics.median(times_ms) / 1e3), 1),
+        "keys_per_master": sorted(keys_per.values()),
+        "balance_max_over_mean": round(max(keys_per.values()) / mean_keys, 3),
+    }
 
 
 def measure_loss(cluster: Cluster, schemes: list[str], args: argparse.Namespace) -> dict:
     """Small values under every scheme's names, then one master and its replica die."""
     rc = cluster.cluster_client()
-    all_chains = {s: [names(s, scheme_keys(s, c, args.blocks), f"fl-{s}") for c in range(args.loss_chains)]
-                  for s in schemes}
+    all_chains = {
+        s: [names(s, scheme_keys(s, c, args.blocks), f"fl-{s}") for c in range(args.loss_chains)] for s in schemes
+    }
     for chains in all_chains.values():
         for chain in chains:
             pipe = rc.pipeline()
@@ -241,8 +277,10 @@ def measure_loss(cluster: Cluster, schemes: list[str], args: argparse.Namespace)
                 n += 1
             leading.append(n / len(chain))
             whole += n == len(chain)
-        out[scheme] = {"leading_fraction_readable": round(statistics.fmean(leading), 3),
-                       "chains_fully_readable": round(whole / len(chains), 3)}
+        out[scheme] = {
+            "leading_fraction_readable": round(statistics.fmean(leading), 3),
+            "chains_fully_readable": round(whole / len(chains), 3),
+        }
     return out
 
 
@@ -266,11 +304,24 @@ def main() -> None:
             cluster.stop()
     for s in schemes:
         per_scheme[s]["one_master_lost"] = loss[s]
-    print(json.dumps({"config": {"chains": args.chains, "blocks": args.blocks, "frame_kib": args.frame_kib,
-                                 "repeats": args.repeats, "loss_chains": args.loss_chains, "masters": 3, "replicas_per_master": 1},
-                      "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                                  "loadavg_after": os.getloadavg()},
-                      "schemes": per_scheme}, indent=1))
+    print(
+        json.dumps(
+            {
+                "config": {
+                    "chains": args.chains,
+                    "blocks": args.blocks,
+                    "frame_kib": args.frame_kib,
+                    "repeats": args.repeats,
+                    "loss_chains": args.loss_chains,
+                    "masters": 3,
+                    "replicas_per_master": 1,
+                },
+                "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+                "schemes": per_scheme,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

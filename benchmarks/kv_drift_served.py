@@ -48,10 +48,28 @@ def run_one(args: argparse.Namespace, kv_dtype: str, prompts: list[list[int]]) -
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", args.model, "--port", str(port),
-           "--served-model-name", "m", "--dtype", args.dtype, "--kv-cache-dtype", kv_dtype,
-           "--kv-drift-sample-rate", str(args.sample_rate), "--log-level", "warning",
-           "--num-device-blocks", str(args.num_device_blocks)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        args.model,
+        "--port",
+        str(port),
+        "--served-model-name",
+        "m",
+        "--dtype",
+        args.dtype,
+        "--kv-cache-dtype",
+        kv_dtype,
+        "--kv-drift-sample-rate",
+        str(args.sample_rate),
+        "--log-level",
+        "warning",
+        "--num-device-blocks",
+        str(args.num_device_blocks),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -70,9 +88,17 @@ def run_one(args: argparse.Namespace, kv_dtype: str, prompts: list[list[int]]) -
             time.sleep(0.2)
 
         def send(prompt: list[int]) -> list[int]:
-            r = httpx.post(f"{url}/v1/completions", timeout=600, json={
-                "model": "m", "prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0,
-                "ignore_eos": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=600,
+                json={
+                    "model": "m",
+                    "prompt": prompt,
+                    "max_tokens": args.max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            )
             r.raise_for_status()
             return r.json()["usage"]["completion_tokens"]
 
@@ -84,8 +110,13 @@ def run_one(args: argparse.Namespace, kv_dtype: str, prompts: list[list[int]]) -
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"kv_cache_dtype": kv_dtype, "requests": len(prompts), "completion_tokens": completion_tokens,
-            "wall_s": round(wall_s, 1), **{k: round(v, 9) for k, v in sorted(m.items())}}
+    return {
+        "kv_cache_dtype": kv_dtype,
+        "requests": len(prompts),
+        "completion_tokens": completion_tokens,
+        "wall_s": round(wall_s, 1),
+        **{k: round(v, 9) for k, v in sorted(m.items())},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,9 +140,19 @@ def main(argv: list[str] | None = None) -> int:
     stride = max(1, (len(tokens) - args.prompt_tokens) // max(1, args.num_requests))
     prompts = [tokens[i * stride : i * stride + args.prompt_tokens] for i in range(args.num_requests)]
     results = [run_one(args, kv, prompts) for kv in args.kv_dtypes.split(",")]
-    print(json.dumps({"model": args.model, "dtype": args.dtype, "sample_rate": args.sample_rate,
-                      "num_requests": args.num_requests, "prompt_tokens": args.prompt_tokens,
-                      "max_tokens": args.max_tokens, "results": results}))
+    print(
+        json.dumps(
+            {
+                "model": args.model,
+                "dtype": args.dtype,
+                "sample_rate": args.sample_rate,
+                "num_requests": args.num_requests,
+                "prompt_tokens": args.prompt_tokens,
+                "max_tokens": args.max_tokens,
+                "results": results,
+            }
+        )
+    )
     return 0
 
 

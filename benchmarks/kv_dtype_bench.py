@@ -41,8 +41,13 @@ DTYPES = ["auto", "fp8_e4m3", "fp8_e5m2", "int8", "int8_tok"]
 def llm(model: str, kv_cache_dtype: str, **kw):
     from kvtier import LLM
 
-    args = dict(dtype="bfloat16", block_size=BS, skip_tokenizer_init=True, restore_policy="always",
-                kv_cache_dtype=kv_cache_dtype)
+    args = dict(
+        dtype="bfloat16",
+        block_size=BS,
+        skip_tokenizer_init=True,
+        restore_policy="always",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     args.update(kw)
     return LLM(model, **args)
 
@@ -66,8 +71,7 @@ def decode_run(engine, prompts: list[list[int]], max_tokens: int) -> tuple[float
 def decode_throughput(model: str, repeats: int, num_seqs: int, context: int, max_tokens: int) -> dict:
     prompts = [W.tokens(1000 + i, context) for i in range(num_seqs)]
     num_blocks = num_seqs * (-(-(context + max_tokens) // BS)) * 2 + 8  # prompts + outputs, twice over
-    engines = {name: llm(model, name, num_device_blocks=num_blocks, max_num_seqs=num_seqs)
-               for name in DTYPES}
+    engines = {name: llm(model, name, num_device_blocks=num_blocks, max_num_seqs=num_seqs) for name in DTYPES}
     for e in engines.values():
         decode_run(e, prompts, 4)  # prefill the prompts once, compile, warm caches
     tok_s: dict[str, list[float]] = {name: [] for name in DTYPES}
@@ -78,10 +82,12 @@ def decode_throughput(model: str, repeats: int, num_seqs: int, context: int, max
     out = {}
     for name in DTYPES:
         ratios = [a / b for a, b in zip(tok_s[name], tok_s["auto"])]
-        out[name] = {"decode_tok_s": round(statistics.median(tok_s[name]), 1),
-                     "runs_tok_s": [round(x, 1) for x in tok_s[name]],
-                     "vs_bf16": round(statistics.median(ratios), 3),
-                     "kv_bytes_per_block": engines[name].engine.runner.kv_bytes_per_block}
+        out[name] = {
+            "decode_tok_s": round(statistics.median(tok_s[name]), 1),
+            "runs_tok_s": [round(x, 1) for x in tok_s[name]],
+            "vs_bf16": round(statistics.median(ratios), 3),
+            "kv_bytes_per_block": engines[name].engine.runner.kv_bytes_per_block,
+        }
     for e in engines.values():
         e.close()
     return out
@@ -92,8 +98,11 @@ def tokens_per_gib(model: str) -> dict:
     for name in DTYPES:
         e = llm(model, name, kv_cache_bytes=1 << 30)
         r = e.engine.runner
-        out[name] = {"tokens_per_gib": r.num_blocks * BS, "kv_bytes_per_token": round(r.kv_bytes_per_token, 2),
-                     "pool_bytes": r.kv_pool.nbytes + (r.kv_scales.nbytes if r.kv_scales is not None else 0)}
+        out[name] = {
+            "tokens_per_gib": r.num_blocks * BS,
+            "kv_bytes_per_token": round(r.kv_bytes_per_token, 2),
+            "pool_bytes": r.kv_pool.nbytes + (r.kv_scales.nbytes if r.kv_scales is not None else 0),
+        }
         e.close()
     base = out["auto"]["tokens_per_gib"]
     for v in out.values():
@@ -106,8 +115,11 @@ def host_restore_ttft(model: str, repeats: int) -> dict:
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     res: dict[str, dict] = {}
-    engines = {name: llm(model, name, num_device_blocks=1024, host_cache_bytes=2 << 30)
-               for name in DTYPES if name in ("auto", "fp8_e4m3", "int8_tok")}
+    engines = {
+        name: llm(model, name, num_device_blocks=1024, host_cache_bytes=2 << 30)
+        for name in DTYPES
+        if name in ("auto", "fp8_e4m3", "int8_tok")
+    }
     for e in engines.values():
         e.generate([W.tokens(99, 2048)], sp)  # warm: kernels, compile, calibration
     ttft: dict[str, list] = {name: [] for name in engines}
@@ -125,11 +137,13 @@ def host_restore_ttft(model: str, repeats: int) -> dict:
     for name, e in engines.items():
         block_bytes = e.engine.runner.kv_bytes_per_block
         host_tokens = statistics.median(cached[name])
-        res[name] = {"ttft_ms": round(statistics.median(ttft[name]) * 1e3, 1),
-                     "runs_ttft_ms": [round(x * 1e3, 1) for x in ttft[name]],
-                     "restore_ms": round(statistics.median(restore[name]) * 1e3, 2),
-                     "host_tokens": host_tokens,
-                     "bytes_moved": int(host_tokens // BS * block_bytes)}
+        res[name] = {
+            "ttft_ms": round(statistics.median(ttft[name]) * 1e3, 1),
+            "runs_ttft_ms": [round(x * 1e3, 1) for x in ttft[name]],
+            "restore_ms": round(statistics.median(restore[name]) * 1e3, 2),
+            "host_tokens": host_tokens,
+            "bytes_moved": int(host_tokens // BS * block_bytes),
+        }
         e.close()
     for name in list(res):
         if name == "auto":

@@ -89,11 +89,15 @@ def main() -> None:
                 for scheme in schemes:
                     errors.setdefault((name, fmt, scheme), []).append(quantize_error(x, scheme, fmt, rotation))
     print(f"model {model}, {len(ids)} tokens, {layers} layers x {heads} KV heads x {dim} dims")
-    print(f"channel outliers (largest channel max / median channel max), mean over layers and heads: "
-          f"K {statistics.mean(outliers['K']):.1f}, V {statistics.mean(outliers['V']):.1f}; "
-          f"worst layer K {max(outliers['K']):.1f}, V {max(outliers['V']):.1f}")
-    print(f"head ranges (largest head max / smallest), mean over layers: K {statistics.mean(head_spread['K']):.1f}, "
-          f"V {statistics.mean(head_spread['V']):.1f}")
+    print(
+        f"channel outliers (largest channel max / median channel max), mean over layers and heads: "
+        f"K {statistics.mean(outliers['K']):.1f}, V {statistics.mean(outliers['V']):.1f}; "
+        f"worst layer K {max(outliers['K']):.1f}, V {max(outliers['V']):.1f}"
+    )
+    print(
+        f"head ranges (largest head max / smallest), mean over layers: K {statistics.mean(head_spread['K']):.1f}, "
+        f"V {statistics.mean(head_spread['V']):.1f}"
+    )
     print(f"{'relative error':<16}" + "".join(f"{s:>12}" for s in schemes))
     for name in ("K", "V"):
         for fmt in ("int8", "fp8_e4m3"):

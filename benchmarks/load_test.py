@@ -59,14 +59,29 @@ def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
 def start_server(model: str, extra: list[str], log_path: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", MODEL_NAME, "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}"
@@ -91,20 +106,31 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout_s: float = 300
 async def run_clients(url: str, clients: int, duration_s: float, max_tokens: int, seed: int) -> dict:
     import httpx
 
-    prefixes = [f"System prompt {i}: you answer questions about topic {i} briefly and exactly. " * 3
-                for i in range(8)]
-    stats: dict = {"requests": 0, "errors": [], "hung_up": 0, "tokens": 0,
-                   "client_ttft_s": [], "engine_ttft_s": [], "cached_tokens": 0, "prompt_tokens": 0}
+    prefixes = [f"System prompt {i}: you answer questions about topic {i} briefly and exactly. " * 3 for i in range(8)]
+    stats: dict = {
+        "requests": 0,
+        "errors": [],
+        "hung_up": 0,
+        "tokens": 0,
+        "client_ttft_s": [],
+        "engine_ttft_s": [],
+        "cached_tokens": 0,
+        "prompt_tokens": 0,
+    }
     deadline = time.monotonic() + duration_s
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
 
     async def one(i: int, client: httpx.AsyncClient) -> None:
         rng = random.Random(seed * 1000 + i)
         while time.monotonic() < deadline:
-            body = {"model": MODEL_NAME, "prompt": rng.choice(prefixes) + f"Question {rng.randrange(10**6)}?",
-                    "max_tokens": rng.randrange(max_tokens // 4, max_tokens + 1),
-                    "temperature": rng.choice([0.0, 0.7]), "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": MODEL_NAME,
+                "prompt": rng.choice(prefixes) + f"Question {rng.randrange(10**6)}?",
+                "max_tokens": rng.randrange(max_tokens // 4, max_tokens + 1),
+                "temperature": rng.choice([0.0, 0.7]),
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             hang_up_after = rng.randrange(1, 5) if rng.random() < 0.10 else None
             t0 = time.perf_counter()
             first = None
@@ -153,9 +179,14 @@ def scrape_totals(url: str) -> dict:
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    keep = ("kvtier:prefix_cache_queries_total", "kvtier:prefix_cache_hits_total",
-            "kvtier:num_preemptions_total", "kvtier:recomputed_tokens_total",
-            "kvtier:request_success_total", "kvtier:time_to_first_token_seconds_count")
+    keep = (
+        "kvtier:prefix_cache_queries_total",
+        "kvtier:prefix_cache_hits_total",
+        "kvtier:num_preemptions_total",
+        "kvtier:recomputed_tokens_total",
+        "kvtier:request_success_total",
+        "kvtier:time_to_first_token_seconds_count",
+    )
     out = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
         for s in family.samples:
@@ -212,17 +243,24 @@ def main() -> None:
         integrity = {"status": r.status_code, **r.json(), "wait_s": time.perf_counter() - t0}
         rss_after = rss_bytes(proc.pid if proc else None)
         result = {
-            "clients": args.clients, "duration_s": args.duration_s, "wall_s": stats["wall_s"],
-            "requests": stats["requests"], "errors": len(stats["errors"]),
-            "error_samples": stats["errors"][:5], "hung_up": stats["hung_up"],
+            "clients": args.clients,
+            "duration_s": args.duration_s,
+            "wall_s": stats["wall_s"],
+            "requests": stats["requests"],
+            "errors": len(stats["errors"]),
+            "error_samples": stats["errors"][:5],
+            "hung_up": stats["hung_up"],
             "client_ttft_p50_s": percentile(stats["client_ttft_s"], 0.5),
             "client_ttft_p95_s": percentile(stats["client_ttft_s"], 0.95),
             "engine_ttft_p50_s": percentile(stats["engine_ttft_s"], 0.5),
             "engine_ttft_p95_s": percentile(stats["engine_ttft_s"], 0.95),
-            "output_tokens": stats["tokens"], "output_tokens_per_s": stats["tokens"] / stats["wall_s"],
+            "output_tokens": stats["tokens"],
+            "output_tokens_per_s": stats["tokens"] / stats["wall_s"],
             "cached_fraction": (stats["cached_tokens"] / stats["prompt_tokens"]) if stats["prompt_tokens"] else None,
-            "server_rss_before_bytes": rss_before, "server_rss_after_bytes": rss_after,
-            "integrity": integrity, "metrics": scrape_totals(url),
+            "server_rss_before_bytes": rss_before,
+            "server_rss_after_bytes": rss_after,
+            "integrity": integrity,
+            "metrics": scrape_totals(url),
         }
         if stats["client_ttft_s"]:
             result["client_ttft_mean_s"] = statistics.fmean(stats["client_ttft_s"])

@@ -21,7 +21,7 @@ def matmul_gflops(dtype_name: str, n: int = 2048, repeats: int = 8) -> float:
         t = time.perf_counter()
         a @ b
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n**3 / best / 1e9
 
 
 def memcpy_gbps(num_bytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -49,10 +49,15 @@ def describe() -> dict:
                 break
     except OSError:
         pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem_gib, 1),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "python": platform.python_version()}
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": round(mem_gib, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
 
 
 def cpu_flags() -> set[str]:
@@ -72,9 +77,14 @@ def has_fast_bf16() -> bool:
 
 
 def measure() -> dict:
-    out = {**describe(), "fp32_matmul_gflops": round(matmul_gflops("float32"), 1),
-           "memcpy_gbps": round(memcpy_gbps(), 2), "avx512": any(f.startswith("avx512") for f in cpu_flags()),
-           "fast_bf16": has_fast_bf16(), "loadavg": os.getloadavg()}
+    out = {
+        **describe(),
+        "fp32_matmul_gflops": round(matmul_gflops("float32"), 1),
+        "memcpy_gbps": round(memcpy_gbps(), 2),
+        "avx512": any(f.startswith("avx512") for f in cpu_flags()),
+        "fast_bf16": has_fast_bf16(),
+        "loadavg": os.getloadavg(),
+    }
     if out["fast_bf16"]:  # minutes per matmul where it is emulated
         out["bf16_matmul_gflops"] = round(matmul_gflops("bfloat16"), 1)
     return out

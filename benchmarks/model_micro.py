@@ -29,11 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from build_reference_model import DEFAULT_DIR, ensure_reference_model  # noqa: E402
-from machine import describe  # noqa: E402
+from build_reference_model import DEFAULT_DIR, ensure_reference_model
+from machine import describe
 
-from kvtier.model.runner import ModelRunner  # noqa: E402
-from kvtier.sched.output import ScheduledSeq, SchedulerOutput  # noqa: E402
+from kvtier.model.runner import ModelRunner
+from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
 
 def _time_ms(*fns, repeat: int) -> list[dict[str, float]]:
@@ -78,9 +78,7 @@ def main() -> None:
 
     model_dir = ensure_reference_model(args.model_dir)
     rng = random.Random(0)
-    runner = ModelRunner(
-        model_dir, dtype=args.dtype, block_size=16, num_blocks=2048, pack_weights=not args.no_pack
-    )
+    runner = ModelRunner(model_dir, dtype=args.dtype, block_size=16, num_blocks=2048, pack_weights=not args.no_pack)
     bs, vocab = runner.block_size, runner.arch.vocab_size
     results: dict[str, object] = {
         "machine": describe(),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import statistics
@@ -45,9 +46,19 @@ def build_model(d: Path) -> None:
     from kvtier.model.tokenizer import build_byte_tokenizer
 
     vocab = build_byte_tokenizer(d)
-    build_random_llama(d, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=256, vocab_size=vocab, max_position_embeddings=4096,
-                       dtype="float32", bos_token_id=256, eos_token_id=257)
+    build_random_llama(
+        d,
+        hidden_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        dtype="float32",
+        bos_token_id=256,
+        eos_token_id=257,
+    )
 
 
 def start_redis(d: Path) -> tuple[subprocess.Popen, str]:
@@ -84,10 +95,18 @@ def populate(disk_dir: Path, redis_url: str, num_blocks: int, frame_bytes: int) 
 def stream(url: str, prompt: str, max_tokens: int, ready: threading.Barrier, out: list[float]) -> None:
     import httpx
 
-    body = {"model": "kvtier-bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 0}  # logprobs: one chunk per step
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {BENCH}"}) as r:
+    body = {
+        "model": "kvtier-bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }  # logprobs: one chunk per step
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, timeout=600, headers={"Authorization": f"Bearer {BENCH}"}
+    ) as r:
         n = 0
         try:
             r.raise_for_status()
@@ -111,14 +130,15 @@ def run_streams(url: str, num_streams: int, max_tokens: int, purge: bool) -> dic
 
     def do_purge() -> None:
         t0 = time.perf_counter()
-        r = httpx.delete(f"{url}/v1/cache?tenant=victim", headers={"Authorization": f"Bearer {ADMIN}"},
-                         timeout=600)
+        r = httpx.delete(f"{url}/v1/cache?tenant=victim", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=600)
         window[:] = [t0, time.perf_counter()]
         answer.update(status=r.status_code, body=r.json())
 
     ready = threading.Barrier(num_streams + 1)
-    threads = [threading.Thread(target=stream, args=(url, f"stream {i} " * 8, max_tokens, ready, times[i]))
-               for i in range(num_streams)]
+    threads = [
+        threading.Thread(target=stream, args=(url, f"stream {i} " * 8, max_tokens, ready, times[i]))
+        for i in range(num_streams)
+    ]
     for t in threads:
         t.start()
     try:
@@ -129,11 +149,11 @@ def run_streams(url: str, num_streams: int, max_tokens: int, purge: bool) -> dic
         do_purge()
     for t in threads:
         t.join()
-    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for ts in times for a, b in itertools.pairwise(ts)]
     res = {"num_gaps": len(gaps), **_pcts(gaps)}
     if purge:
         t0, t1 = window
-        during = [b - a for ts in times for a, b in zip(ts, ts[1:]) if b > t0 and a < t1]
+        during = [b - a for ts in times for a, b in itertools.pairwise(ts) if b > t0 and a < t1]
         res["purge_s"] = round(t1 - t0, 3)
         res["during_purge"] = {"num_gaps": len(during), **_pcts(during)}
         res["purge_answer"] = answer
@@ -145,8 +165,11 @@ def _pcts(gaps: list[float]) -> dict:
     if not gaps:
         return {}
     q = statistics.quantiles(gaps, n=100, method="inclusive")
-    return {"itl_p50_ms": round(q[49] * 1e3, 2), "itl_p99_ms": round(q[98] * 1e3, 2),
-            "itl_max_ms": round(max(gaps) * 1e3, 2)}
+    return {
+        "itl_p50_ms": round(q[49] * 1e3, 2),
+        "itl_p99_ms": round(q[98] * 1e3, 2),
+        "itl_max_ms": round(max(gaps) * 1e3, 2),
+    }
 
 
 def main() -> None:
@@ -162,17 +185,32 @@ def main() -> None:
         build_model(d / "model")
         rproc, redis_url = start_redis(d)
         keys = d / "keys.json"
-        keys.write_text(json.dumps({"keys": {BENCH: "bench", VICTIM: "victim",
-                                             ADMIN: {"tenant": "ops", "admin": True}}}))
-        flags = ["--api-keys", str(keys), "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
-                 "--num-device-blocks", "2048", "--disk-cache-dir", str(d / "disk"),
-                 "--remote-cache-url", redis_url]
+        keys.write_text(
+            json.dumps({"keys": {BENCH: "bench", VICTIM: "victim", ADMIN: {"tenant": "ops", "admin": True}}})
+        )
+        flags = [
+            "--api-keys",
+            str(keys),
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--num-device-blocks",
+            "2048",
+            "--disk-cache-dir",
+            str(d / "disk"),
+            "--remote-cache-url",
+            redis_url,
+        ]
         try:
             s = start(str(d / "model"), flags, d / "serve0.log")
             try:  # one victim request: creates the fingerprint directory; gives the frame size
-                httpx.post(f"{s.url}/v1/completions", json={"model": "kvtier-bench", "prompt": "v" * 64,
-                                                            "max_tokens": 1},
-                           headers={"Authorization": f"Bearer {VICTIM}"}, timeout=120).raise_for_status()
+                httpx.post(
+                    f"{s.url}/v1/completions",
+                    json={"model": "kvtier-bench", "prompt": "v" * 64, "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {VICTIM}"},
+                    timeout=120,
+                ).raise_for_status()
                 frame_bytes = 0
                 for _ in range(400):
                     files = list((d / "disk").rglob("*.kv"))
@@ -193,10 +231,21 @@ def main() -> None:
         finally:
             stop_process(rproc)
     load = os.getloadavg()
-    print(json.dumps({"blocks": args.blocks, "streams": args.streams, "max_tokens": args.max_tokens,
-                      "frame_bytes": frame_bytes, "cpus": os.cpu_count(),
-                      "loadavg_1m": round(load[0], 2), "baseline": baseline, "with_purge": purged},
-                     indent=1))
+    print(
+        json.dumps(
+            {
+                "blocks": args.blocks,
+                "streams": args.streams,
+                "max_tokens": args.max_tokens,
+                "frame_bytes": frame_bytes,
+                "cpus": os.cpu_count(),
+                "loadavg_1m": round(load[0], 2),
+                "baseline": baseline,
+                "with_purge": purged,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

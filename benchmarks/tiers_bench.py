@@ -82,10 +82,26 @@ class Redis:
         self.port = s.getsockname()[1]
         s.close()
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir, "--maxmemory", "8gb"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+                "--maxmemory",
+                "8gb",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         import redis
+
         client = redis.Redis(port=self.port)
         for _ in range(200):
             try:
@@ -108,8 +124,9 @@ class Redis:
 def llm(model: str, **kw):
     from kvtier import LLM
 
-    args = dict(dtype="bfloat16", block_size=BS, num_device_blocks=1024, skip_tokenizer_init=True,
-                restore_policy="always")
+    args = dict(
+        dtype="bfloat16", block_size=BS, num_device_blocks=1024, skip_tokenizer_init=True, restore_policy="always"
+    )
     args.update(kw)
     return LLM(model, **args)
 
@@ -139,20 +156,28 @@ def per_tier_ttft(model: str, redis_url: str, tmp: str, repeats: int) -> dict:
         ttft(e, prefix + W.tokens(400 + r, 16))
         flush_s.append(_timed_flush(e))  # background writes to disk/Redis would share the 2 cores
         t, c, _ = ttft(e, prefix + W.tokens(500 + r, 4))
-        res["device"].append(t); cached["device"].append(c)
+        res["device"].append(t)
+        cached["device"].append(c)
         e.reset_prefix_cache()
         t, c, _ = ttft(e, prefix + W.tokens(600 + r, 4))
-        res["host"].append(t); cached["host"].append(c); restore_s["host"].append(LAST_RESTORE_S[-1])
+        res["host"].append(t)
+        cached["host"].append(c)
+        restore_s["host"].append(LAST_RESTORE_S[-1])
     e.engine.tiers.flush()
     host_stats = e.engine.tiers.tier_stats()["host"]
     e.close()
-    for name, kw in (("disk", dict(disk_cache_dir=disk_dir)), ("remote", dict(remote_cache_url=redis_url)),
-                     ("recompute", {})):
+    for name, kw in (
+        ("disk", dict(disk_cache_dir=disk_dir)),
+        ("remote", dict(remote_cache_url=redis_url)),
+        ("recompute", {}),
+    ):
         e = llm(model, **kw)
         ttft(e, warm)  # kernels primed; this prompt's blocks are not the measured ones
         for r, prefix in enumerate(prefixes):
             t, c, _ = ttft(e, prefix + W.tokens(700 + r, 4))
-            res[name].append(t); cached[name].append(c); restore_s[name].append(LAST_RESTORE_S[-1])
+            res[name].append(t)
+            cached[name].append(c)
+            restore_s[name].append(LAST_RESTORE_S[-1])
             e.reset_prefix_cache()
         e.close()
     med = {k: statistics.median(v) for k, v in res.items()}
@@ -185,15 +210,21 @@ def pressure(model: str, tmp: str, redis_url: str | None, **tier_kw) -> dict:
         by_tier.append(c)
     e.check_integrity()
     e.close()
-    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]  # noqa: E731
+    pct = lambda xs, q: sorted(xs)[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]  # noqa: E731
     tiers_used: dict[str, int] = {}
     for c in by_tier:
         for k, v in c.items():
             tiers_used[k] = tiers_used.get(k, 0) + v
-    return {"first_p50_s": round(statistics.median(first), 3), "revisit_p50_s": round(statistics.median(revisit), 4),
-            "revisit_p95_s": round(pct(revisit, 95), 4), "revisit_min_s": round(min(revisit), 4),
-            "revisit_max_s": round(max(revisit), 4), "revisit_tokens_by_tier": tiers_used,
-            "flush_s": round(flush_s, 3), "revisit_all_s": [round(x, 4) for x in revisit]}
+    return {
+        "first_p50_s": round(statistics.median(first), 3),
+        "revisit_p50_s": round(statistics.median(revisit), 4),
+        "revisit_p95_s": round(pct(revisit, 95), 4),
+        "revisit_min_s": round(min(revisit), 4),
+        "revisit_max_s": round(max(revisit), 4),
+        "revisit_tokens_by_tier": tiers_used,
+        "flush_s": round(flush_s, 3),
+        "revisit_all_s": [round(x, 4) for x in revisit],
+    }
 
 
 def _timed_flush(e) -> float:
@@ -209,8 +240,11 @@ def cost_model_check(model: str, tmp: str, fault_spec: str) -> dict:
     faults = {"disk": fault_spec}
     disk_dir = os.path.join(tmp, "disk-cost")
     out = {"faults": faults["disk"]}
-    cases = {"short_24": W.tokens(800, 24 + 1), "medium_256": W.tokens(802, 256 + 1),
-             "long_2048": W.tokens(801, 2048 + 4)}
+    cases = {
+        "short_24": W.tokens(800, 24 + 1),
+        "medium_256": W.tokens(802, 256 + 1),
+        "long_2048": W.tokens(801, 2048 + 4),
+    }
     e = llm(model, disk_cache_dir=disk_dir)
     for p in cases.values():
         ttft(e, p)
@@ -221,17 +255,26 @@ def cost_model_check(model: str, tmp: str, fault_spec: str) -> dict:
         ttft(e, W.tokens(99, 2048))
         t_chosen, c, decision = ttft(e, p)
         e.close()
-        e = llm(model, disk_cache_dir=disk_dir, tier_faults=faults,
-                restore_policy="always" if decision == "recompute" else "cost")
+        e = llm(
+            model,
+            disk_cache_dir=disk_dir,
+            tier_faults=faults,
+            restore_policy="always" if decision == "recompute" else "cost",
+        )
         if decision != "recompute":
             e.engine.tiers.cost.prefill.theta = [0.0, 0.0]  # make recompute look free: forced
             e.engine.tiers.cost.prefill.frozen = True
         ttft(e, W.tokens(99, 2048))
-        t_other, c2, d2 = ttft(e, p)
+        t_other, _c2, d2 = ttft(e, p)
         e.close()
-        out[name] = {"decision": decision, "ttft_chosen_ms": round(t_chosen * 1e3, 1),
-                     "other_path": d2, "ttft_other_ms": round(t_other * 1e3, 1),
-                     "chosen_is_faster": t_chosen < t_other, "cached": c}
+        out[name] = {
+            "decision": decision,
+            "ttft_chosen_ms": round(t_chosen * 1e3, 1),
+            "other_path": d2,
+            "ttft_other_ms": round(t_other * 1e3, 1),
+            "chosen_is_faster": t_chosen < t_other,
+            "cached": c,
+        }
     return out
 
 
@@ -279,8 +322,13 @@ def main() -> None:
     ap.add_argument("--skip-pressure", action="store_true")
     ap.add_argument("--only", choices=["per_tier", "cost_model", "pressure"], default=None)
     ap.add_argument("--cost-faults", default="latency_ms=8", help="disk fault spec for the cost-model check")
-    ap.add_argument("--scenarios", nargs="+", default=["quiet"], choices=["quiet", "contended"],
-                    help="contended: benchmarks/corunner.py keeps one core busy while the engines run")
+    ap.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=["quiet"],
+        choices=["quiet", "contended"],
+        help="contended: benchmarks/corunner.py keeps one core busy while the engines run",
+    )
     ap.add_argument("--pressure-configs", nargs="+", default=list(PRESSURE_CONFIGS), choices=list(PRESSURE_CONFIGS))
     ap.add_argument("--out", default=None, help="append each result to this JSON-lines file as it comes")
     args = ap.parse_args()
@@ -308,8 +356,10 @@ def main() -> None:
             with corunner.running(cores):
                 machine = measure()
                 record("machine", machine)
-                report["scenarios"][scenario] = {"machine": machine,
-                                                 **run_scenario(args, model, scenario_tmp, redis, record)}
+                report["scenarios"][scenario] = {
+                    "machine": machine,
+                    **run_scenario(args, model, scenario_tmp, redis, record),
+                }
     finally:
         redis.stop()
         shutil.rmtree(tmp, ignore_errors=True)

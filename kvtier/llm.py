@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Any
 
 from kvtier.config import CacheConfig, DriftConfig, EngineConfig, ModelConfig
 from kvtier.engine.core import EngineCore
@@ -12,7 +13,7 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.sched.scheduler import SchedulerConfig
 from kvtier.tiers.hierarchy import TierConfig
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -31,42 +32,81 @@ class LLM:
     tokens per byte of bfloat16, on the device and in every tier).
     """
 
-    def __init__(self, model: str, dtype: str = "auto", block_size: int = 16,
-                 num_device_blocks: int | None = None, kv_cache_bytes: int | None = None,
-                 enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, seed: int = 0, device: str | None = None,
-                 max_model_len: int | None = None, tokenizer: str | None = None,
-                 scheduling_policy: str = "fcfs", eviction_policy: str = "lru",
-                 enable_chunked_prefill: bool = True, skip_tokenizer_init: bool = False,
-                 host_cache_bytes: int | None = None, disk_cache_dir: str | None = None,
-                 disk_cache_bytes: int | None = None, remote_cache_url: str | None = None,
-                 remote_ttl_s: float | None = None, remote_timeout_s: float = 1.0,
-                 cache_write_policy: str = "write_through",
-                 cache_compression: str | None = None, restore_policy: str = "cost",
-                 kv_key_dir: str | None = None,
-                 tier_faults: dict[str, str] | None = None, kv_cache_dtype: str = "auto",
-                 kv_drift_sample_rate: float = 0.0, cpu_threads_bind: str | None = None,
-                 num_threads: int | None = None, generation_config: str = "auto",
-                 gpu_memory_utilization: float | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        block_size: int = 16,
+        num_device_blocks: int | None = None,
+        kv_cache_bytes: int | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        seed: int = 0,
+        device: str | None = None,
+        max_model_len: int | None = None,
+        tokenizer: str | None = None,
+        scheduling_policy: str = "fcfs",
+        eviction_policy: str = "lru",
+        enable_chunked_prefill: bool = True,
+        skip_tokenizer_init: bool = False,
+        host_cache_bytes: int | None = None,
+        disk_cache_dir: str | None = None,
+        disk_cache_bytes: int | None = None,
+        remote_cache_url: str | None = None,
+        remote_ttl_s: float | None = None,
+        remote_timeout_s: float = 1.0,
+        cache_write_policy: str = "write_through",
+        cache_compression: str | None = None,
+        restore_policy: str = "cost",
+        kv_key_dir: str | None = None,
+        tier_faults: dict[str, str] | None = None,
+        kv_cache_dtype: str = "auto",
+        kv_drift_sample_rate: float = 0.0,
+        cpu_threads_bind: str | None = None,
+        num_threads: int | None = None,
+        generation_config: str = "auto",
+        gpu_memory_utilization: float | None = None,
+    ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=str(model), dtype=dtype, device=device, seed=seed,
-                              max_model_len=max_model_len, tokenizer=tokenizer,
-                              cpu_threads_bind=cpu_threads_bind, num_threads=num_threads),
-            cache=CacheConfig(block_size=block_size, num_device_blocks=num_device_blocks,
-                              kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
-                              eviction_policy=eviction_policy, kv_cache_dtype=kv_cache_dtype,
-                              memory_fraction=gpu_memory_utilization),
-            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                      max_num_batched_tokens=max_num_batched_tokens,
-                                      policy=scheduling_policy,
-                                      enable_chunked_prefill=enable_chunked_prefill),
-            tiers=TierConfig(host_cache_bytes=host_cache_bytes, disk_cache_dir=disk_cache_dir,
-                             disk_cache_bytes=disk_cache_bytes, remote_cache_url=remote_cache_url,
-                             remote_ttl_s=remote_ttl_s, remote_timeout_s=remote_timeout_s,
-                             cache_write_policy=cache_write_policy,
-                             compression=cache_compression, restore_policy=restore_policy,
-                             key_dir=kv_key_dir,
-                             faults=tuple(sorted((tier_faults or {}).items()))),
+            model=ModelConfig(
+                model=str(model),
+                dtype=dtype,
+                device=device,
+                seed=seed,
+                max_model_len=max_model_len,
+                tokenizer=tokenizer,
+                cpu_threads_bind=cpu_threads_bind,
+                num_threads=num_threads,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_device_blocks=num_device_blocks,
+                kv_cache_bytes=kv_cache_bytes,
+                enable_prefix_caching=enable_prefix_caching,
+                eviction_policy=eviction_policy,
+                kv_cache_dtype=kv_cache_dtype,
+                memory_fraction=gpu_memory_utilization,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=scheduling_policy,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            tiers=TierConfig(
+                host_cache_bytes=host_cache_bytes,
+                disk_cache_dir=disk_cache_dir,
+                disk_cache_bytes=disk_cache_bytes,
+                remote_cache_url=remote_cache_url,
+                remote_ttl_s=remote_ttl_s,
+                remote_timeout_s=remote_timeout_s,
+                cache_write_policy=cache_write_policy,
+                compression=cache_compression,
+                restore_policy=restore_policy,
+                key_dir=kv_key_dir,
+                faults=tuple(sorted((tier_faults or {}).items())),
+            ),
             drift=DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed),
         )
         tok = None
@@ -80,6 +120,7 @@ class LLM:
         self.tokenizer = tok
         self.config = config
         from kvtier.sampling_params import generation_defaults
+
         self._sampling_defaults = generation_defaults(str(model), generation_config)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -108,25 +149,28 @@ class LLM:
         """Finish queued tier writes and release tier connections."""
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None, priority: Sequence[int] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        cache_salt: str | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or a dict with `prompt` or
         `prompt_token_ids` (and optionally its own `cache_salt`).
         """
         items = _as_list(prompts)
-        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(items),
-                            "sampling_params")
+        params = _broadcast(sampling_params or self.get_default_sampling_params(), len(items), "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(items)
         if len(prios) != len(items):
             raise ValueError(f"got {len(prios)} priorities for {len(items)} prompts")
@@ -134,29 +178,34 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, token_ids, salt), sp, prio in zip(prepared, params, prios):
-                ids.append(self.engine.add_request(token_ids, sp, cache_salt=salt, priority=prio,
-                                                   prompt=text))
+                ids.append(self.engine.add_request(token_ids, sp, cache_salt=salt, priority=prio, prompt=text))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, cache_salt: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        cache_salt: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this model directory has no tokenizer.json")
         if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} "
-                             "(or a list of such conversations)")
+            raise ValueError(
+                "messages must be a non-empty list of {'role': ..., 'content': ...} (or a list of such conversations)"
+            )
         convs = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt,
-                                                                  **(chat_template_kwargs or {}))}
-                   for c in convs]
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {}))}
+            for c in convs
+        ]
         return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
 
     def get_tokenizer(self) -> Any:

@@ -10,7 +10,7 @@ class Logprob(float):
     (`.logprob`, `.rank`: 1 for the most likely token; `.decoded_token`: the token's text).
     Plain floats stay valid wherever a Logprob is expected: arithmetic and JSON see a float."""
 
-    __slots__ = ("rank", "decoded_token")
+    __slots__ = ("decoded_token", "rank")
 
     def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
         self = super().__new__(cls, logprob)

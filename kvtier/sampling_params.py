@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.structured import StructuredOutputsParams
@@ -73,8 +73,11 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not 0.0 <= self.temperature <= 100.0 \
-                or self.temperature != self.temperature:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not 0.0 <= self.temperature <= 100.0
+            or self.temperature != self.temperature
+        ):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -109,8 +112,7 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
             self.allowed_token_ids = ids
         if self.bad_words is not None:
-            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip()
-                                                      for w in self.bad_words):
+            if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError("bad_words must be a list of non-empty strings")
             self.bad_words = list(self.bad_words)
         t = self.truncate_prompt_tokens
@@ -123,23 +125,35 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether any processing beyond temperature and truncation applies (min_tokens aside)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids
+            or self.bad_words_token_ids
+        )
 
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
 
-    def child(self, index: int) -> "SamplingParams":
+    def child(self, index: int) -> SamplingParams:
         """Params for the index-th of n parallel samples (its own seed, n=1)."""
         from dataclasses import replace
+
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
 
 
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                          "max_new_tokens": "max_tokens"}
+GENERATION_CONFIG_KEYS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
 """generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields."""
 
 
@@ -163,5 +177,8 @@ def generation_defaults(model: str, generation_config: str = "auto") -> dict[str
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"cannot read {path}: {e}") from None
-    return {field: data[key] for key, field in GENERATION_CONFIG_KEYS.items()
-            if isinstance(data, dict) and data.get(key) is not None}
+    return {
+        field: data[key]
+        for key, field in GENERATION_CONFIG_KEYS.items()
+        if isinstance(data, dict) and data.get(key) is not None
+    }

@@ -48,10 +48,13 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} is not supported by kvtier; leave it out")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
-            raise ValueError("structured_outputs needs exactly one of json, json_object, regex, choice, "
-                             f"grammar; got {', '.join(given) or 'none'}")
-        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
-                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, "
+                f"grammar; got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list) or not self.choice or not all(isinstance(c, str) for c in self.choice)
+        ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
@@ -61,7 +64,7 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its text)")
 
     @classmethod
-    def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
+    def coerce(cls, value: Any) -> StructuredOutputsParams | None:
         """From itself, a dict of its fields (as it travels between processes), or None."""
         if value is None or isinstance(value, cls):
             return value
@@ -122,8 +125,9 @@ def _llguidance():
     try:
         import llguidance
     except ImportError:
-        raise ValueError("structured outputs need llguidance: pip install 'kvtier[structured]' "
-                         "(or pip install llguidance)") from None
+        raise ValueError(
+            "structured outputs need llguidance: pip install 'kvtier[structured]' (or pip install llguidance)"
+        ) from None
     return llguidance
 
 
@@ -147,8 +151,9 @@ class GrammarCompiler:
             backend = getattr(self.tokenizer, "backend_json", None)
             if backend is None:
                 raise ValueError("structured outputs need a Hugging Face `tokenizers` tokenizer")
-            self._ll_tokenizer = llg.LLTokenizer(backend(), n_vocab=self.vocab_size,
-                                                 eos_token=self.eos_token_ids or None)
+            self._ll_tokenizer = llg.LLTokenizer(
+                backend(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
+            )
         return self._ll_tokenizer
 
     def grammar(self, spec: StructuredOutputsParams) -> str:
@@ -172,7 +177,7 @@ class GrammarCompiler:
             self._grammars[key] = text
         return text
 
-    def matcher(self, spec: StructuredOutputsParams) -> "Matcher":
+    def matcher(self, spec: StructuredOutputsParams) -> Matcher:
         llg = _llguidance()
         m = llg.LLMatcher(self._ll(), self.grammar(spec), log_level=0)
         if m.is_error():
@@ -187,7 +192,7 @@ class Matcher:
         self._m = matcher
         self.vocab_size = vocab_size
 
-    def copy(self) -> "Matcher":
+    def copy(self) -> Matcher:
         return Matcher(self._m.deep_copy(), self.vocab_size)
 
     def allowed(self):

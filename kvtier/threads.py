@@ -48,9 +48,9 @@ import math
 import os
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +62,9 @@ SPINCOUNT_ENV = "KVTIER_OMP_SPINCOUNT"
 DEFAULT_SPINCOUNT = 20000
 SMALL_MACHINE_CPUS = 4
 
-_ORIGINAL_CPUS: frozenset[int] = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-    else frozenset(range(os.cpu_count() or 1))
+_ORIGINAL_CPUS: frozenset[int] = (
+    frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
+)
 """The affinity mask the process started with (before any pinning)."""
 
 
@@ -159,13 +160,20 @@ class ThreadPlan:
 
     def describe(self) -> str:
         where = ",".join(map(str, self.compute_cpus)) if self.compute_cpus else "unpinned"
-        return (f"{self.num_threads} compute threads on {where}; helpers on "
-                f"{','.join(map(str, self.io_cpus))} ({self.source})")
+        return (
+            f"{self.num_threads} compute threads on {where}; helpers on "
+            f"{','.join(map(str, self.io_cpus))} ({self.source})"
+        )
 
 
-def plan_threads(bind: str | None = None, num_threads: int | None = None, reserved: int | None = None,
-                 usable: frozenset[int] | None = None, quota: float | None | bool = False,
-                 topology: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None) -> ThreadPlan:
+def plan_threads(
+    bind: str | None = None,
+    num_threads: int | None = None,
+    reserved: int | None = None,
+    usable: frozenset[int] | None = None,
+    quota: float | bool | None = False,
+    topology: tuple[dict[int, list[int]], dict[int, list[int]]] | None = None,
+) -> ThreadPlan:
     """The plan for `bind` (default KVTIER_CPU_THREADS_BIND or auto). The keyword arguments past
     `reserved` describe the machine (tests give them; by default it is read)."""
     env = os.environ
@@ -194,12 +202,15 @@ def plan_threads(bind: str | None = None, num_threads: int | None = None, reserv
         listed = parse_cpu_list(bind)
         outside = [c for c in listed if c not in cpus]
         if outside:
-            raise ValueError(f"CPU {outside[0]} of {BIND_ENV}/--cpu-threads-bind={bind!r} is not usable by "
-                             f"this process (usable: {','.join(map(str, cpus))})")
+            raise ValueError(
+                f"CPU {outside[0]} of {BIND_ENV}/--cpu-threads-bind={bind!r} is not usable by "
+                f"this process (usable: {','.join(map(str, cpus))})"
+            )
         if num_threads is not None and num_threads > len(listed):
-            raise ValueError(f"{num_threads} compute threads need {num_threads} CPUs; the list {bind!r} "
-                             f"has {len(listed)}")
-        compute = tuple(listed[:num_threads or len(listed)])
+            raise ValueError(
+                f"{num_threads} compute threads need {num_threads} CPUs; the list {bind!r} has {len(listed)}"
+            )
+        compute = tuple(listed[: num_threads or len(listed)])
         rest = tuple(c for c in cpus if c not in compute)
         return ThreadPlan(len(compute), compute, rest or everything, "list")
 
@@ -211,7 +222,7 @@ def plan_threads(bind: str | None = None, num_threads: int | None = None, reserv
     nodes, siblings = topology if topology is not None else (_numa_nodes(), {c: _siblings(c) for c in cpus})
     usable_set = set(cpus)
     best: list[int] = []
-    for node_cpus in (nodes.values() or [cpus]):
+    for node_cpus in nodes.values() or [cpus]:
         mine = [c for c in node_cpus if c in usable_set]
         physical = [c for c in mine if min(s for s in siblings.get(c, [c]) if s in usable_set) == c]
         if len(physical) > len(best):
@@ -219,7 +230,7 @@ def plan_threads(bind: str | None = None, num_threads: int | None = None, reserv
     best = best or cpus
     spare = [c for c in cpus if c not in best]
     keep = reserved if reserved is not None else (0 if spare else max(1, len(best) // 16))
-    cores = best[:max(1, min(len(best) - keep, budget))] if keep < len(best) else best[:1]
+    cores = best[: max(1, min(len(best) - keep, budget))] if keep < len(best) else best[:1]
     if num_threads is not None:
         cores = cores[:num_threads]
     io = tuple(c for c in cpus if c not in cores) or everything
@@ -307,8 +318,9 @@ def bind_compute_threads() -> bool:
     return True
 
 
-def pin_team(cpus: tuple[int, ...], lib: ctypes.CDLL | None = None,
-             num_threads: int | None = None) -> dict[int, int] | None:
+def pin_team(
+    cpus: tuple[int, ...], lib: ctypes.CDLL | None = None, num_threads: int | None = None
+) -> dict[int, int] | None:
     """Pin the calling thread's team of len(cpus) threads, thread i to cpus[i]; returns
     {cpu: native thread id}, or None when that failed (logged). With `num_threads`, a team of
     that many threads each free to run on any of `cpus` (the kernel places them); the answer
@@ -380,11 +392,18 @@ class AdaptiveTeam:
     Call `before_step(num_tokens)` on the thread that steps the engine, before the forward.
     """
 
-    def __init__(self, plan: ThreadPlan, interval_s: float = 0.25, threshold: float = 0.3,
-                 big_step_tokens: int = 512, *, clock: Callable[[], float] | None = None,
-                 cpu_busy: Callable[[tuple[int, ...]], dict[int, int]] | None = None,
-                 thread_ticks: Callable[[int], int] | None = None,
-                 pin: Callable[[tuple[int, ...], int | None], dict[int, int] | None] | None = None) -> None:
+    def __init__(
+        self,
+        plan: ThreadPlan,
+        interval_s: float = 0.25,
+        threshold: float = 0.3,
+        big_step_tokens: int = 512,
+        *,
+        clock: Callable[[], float] | None = None,
+        cpu_busy: Callable[[tuple[int, ...]], dict[int, int]] | None = None,
+        thread_ticks: Callable[[int], int] | None = None,
+        pin: Callable[[tuple[int, ...], int | None], dict[int, int] | None] | None = None,
+    ) -> None:
         """The keyword-only arguments replace the clock, the /proc readers and the pinning
         (tests drive the policy with them)."""
         import time
@@ -397,8 +416,11 @@ class AdaptiveTeam:
         self._cpu_busy = cpu_busy or _cpu_busy_ticks
         self._thread_ticks = thread_ticks or _thread_ticks
         self._pin_team = pin or _pin_and_size
-        self.enabled = (len(plan.compute_cpus) >= 2 and os.environ.get(ADAPTIVE_ENV, "1") not in ("0", "false")
-                        and Path("/proc/stat").is_file())
+        self.enabled = (
+            len(plan.compute_cpus) >= 2
+            and os.environ.get(ADAPTIVE_ENV, "1") not in ("0", "false")
+            and Path("/proc/stat").is_file()
+        )
         self.cpus_taken = 0
         """Compute CPUs' worth of other processes' work (as of the last reading)."""
         self.num_shrinks = 0
@@ -449,8 +471,11 @@ class AdaptiveTeam:
                 others = max(0.0, (busy - busy0) - (ours - ours0)) / window
                 taken = min(len(self.plan.compute_cpus) - 1, int(others + 1 - self.threshold))
                 if taken != self.cpus_taken:
-                    logger.info("other processes use %.1f of the compute CPUs; small steps run on %d threads",
-                                others, len(self.plan.compute_cpus) - taken)
+                    logger.info(
+                        "other processes use %.1f of the compute CPUs; small steps run on %d threads",
+                        others,
+                        len(self.plan.compute_cpus) - taken,
+                    )
                 self.cpus_taken = taken
         self._last = (now, busy, ours)
 

@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ["kvtier.kvcache", "kvtier.sched", "kvtier.cost", "kvtier.sim", "kvtier.tiers.base",
-            "kvtier.tiers.hierarchy"]
+PACKAGES = [
+    "kvtier.kvcache",
+    "kvtier.sched",
+    "kvtier.cost",
+    "kvtier.sim",
+    "kvtier.tiers.base",
+    "kvtier.tiers.hierarchy",
+]
 """Packages (every module in them) and single modules."""
 FORBIDDEN = ["torch", "fastapi", "prometheus_client", "redis"]
 
@@ -56,8 +62,14 @@ print(json.dumps(report))
 
 def probe(mode: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(PACKAGES), json.dumps(FORBIDDEN), mode],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(PACKAGES), json.dumps(FORBIDDEN), mode],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "kvtier.kvcache.manager" in report["imported"] and "kvtier.sched.output" in report["imported"]
@@ -72,15 +84,17 @@ def test_bookkeeping_layers_import_no_torch_fastapi_or_prometheus(mode: str) -> 
     assert culprits == {}, (
         "these imports pull in forbidden packages (module: packages it first loaded): "
         f"{culprits}; move the import into the layer that needs it or import it lazily"
-        + (" (kvtier/__init__.py runs first: make its re-exports lazy, PEP 562 __getattr__)"
-           if mode == "real" else ""))
+        + (" (kvtier/__init__.py runs first: make its re-exports lazy, PEP 562 __getattr__)" if mode == "real" else "")
+    )
 
 
 def test_the_cache_layer_does_not_import_the_scheduler() -> None:
     """kvcache/ sits below sched/: the scheduler's records it needs (BlockCopy) live in kvcache."""
-    code = ("import importlib, pkgutil, sys, kvtier.kvcache as k\n"
-            "[importlib.import_module(i.name) for i in pkgutil.walk_packages(k.__path__, 'kvtier.kvcache.')]\n"
-            "print(sorted(m for m in sys.modules if m.startswith('kvtier.sched')))")
+    code = (
+        "import importlib, pkgutil, sys, kvtier.kvcache as k\n"
+        "[importlib.import_module(i.name) for i in pkgutil.walk_packages(k.__path__, 'kvtier.kvcache.')]\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kvtier.sched')))"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

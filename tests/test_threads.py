@@ -41,17 +41,25 @@ def test_server_machine_uses_physical_cores_of_one_node(monkeypatch):
     for k in (threads.BIND_ENV, threads.NUM_THREADS_ENV, threads.RESERVED_ENV):
         monkeypatch.delenv(k, raising=False)
     # 2 nodes x 8 cores x 2 hyperthreads: cpu c and c + 16 are siblings; node 0 = 0-7,16-23
-    nodes = {0: [*range(0, 8), *range(16, 24)], 1: [*range(8, 16), *range(24, 32)]}
+    nodes = {0: [*range(8), *range(16, 24)], 1: [*range(8, 16), *range(24, 32)]}
     siblings = {c: sorted({c % 16, c % 16 + 16}) for c in range(32)}
     plan = plan_threads(usable=frozenset(range(32)), quota=None, topology=(nodes, siblings))
     assert plan.compute_cpus == tuple(range(8))
     assert set(plan.io_cpus) == set(range(8, 32))  # helpers: siblings and the other node
     # one node, no SMT: one core reserved for the helpers
-    one = plan_threads(usable=frozenset(range(16)), quota=None, topology=({0: list(range(16))},
-                                                                          {c: [c] for c in range(16)}))
+    one = plan_threads(
+        usable=frozenset(range(16)), quota=None, topology=({0: list(range(16))}, {c: [c] for c in range(16)})
+    )
     assert one.compute_cpus == tuple(range(15)) and one.io_cpus == (15,)
-    assert plan_threads(reserved=4, usable=frozenset(range(16)), quota=None,
-                        topology=({0: list(range(16))}, {c: [c] for c in range(16)})).num_threads == 12
+    assert (
+        plan_threads(
+            reserved=4,
+            usable=frozenset(range(16)),
+            quota=None,
+            topology=({0: list(range(16))}, {c: [c] for c in range(16)}),
+        ).num_threads
+        == 12
+    )
 
 
 def test_cpu_list_and_nobind(monkeypatch):
@@ -81,6 +89,7 @@ def test_wait_policy():
     with pytest.raises(ValueError):
         set_wait_policy({threads.SPINCOUNT_ENV: "many"})
     import torch  # noqa: F401 - loaded: the process's libgomp is configured, leave it be
+
     before = dict(os.environ)
     assert set_wait_policy().startswith("torch already loaded") and dict(os.environ) == before
 
@@ -147,8 +156,14 @@ class _Machine:
 def test_adaptive_team_shrinks_for_small_steps_while_a_cpu_is_taken_and_grows_back():
     m = _Machine()
     plan = ThreadPlan(2, (0, 1), (0, 1), "test")
-    team = AdaptiveTeam(plan, interval_s=0.25, clock=lambda: m.t, cpu_busy=lambda cpus: dict(m.busy),
-                        thread_ticks=lambda tid: m.thread[tid], pin=m.pin)
+    team = AdaptiveTeam(
+        plan,
+        interval_s=0.25,
+        clock=lambda: m.t,
+        cpu_busy=lambda cpus: dict(m.busy),
+        thread_ticks=lambda tid: m.thread[tid],
+        pin=m.pin,
+    )
     team._hz = 100
     team.before_step(16)  # first reading: learns the team (pinned, one thread per CPU)
     assert m.teams == [((0, 1), None)] and team.cpus_taken == 0

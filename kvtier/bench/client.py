@@ -20,8 +20,9 @@ import asyncio
 import hashlib
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from kvtier.bench.workloads import BenchRequest, Session, render_text
 from kvtier.server.sse import aiter_events
@@ -112,7 +113,7 @@ class PrefixTracker:
         h = hashlib.blake2b(digest_size=16)
         chain = []
         for start in range(0, len(prompt) - granule + 1, granule):
-            piece = prompt[start:start + granule]
+            piece = prompt[start : start + granule]
             h.update(piece.encode() if isinstance(piece, str) else repr(list(piece)).encode())
             chain.append(h.copy().digest())
         seen = 0
@@ -149,15 +150,15 @@ async def server_info(client: Any) -> dict[str, Any]:
         return {}
 
 
-async def run_sessions(config: ClientConfig, sessions: Sequence[Session], desc: str = "bench",
-                       tracker: PrefixTracker | None = None) -> tuple[list[RequestRecord], float]:
+async def run_sessions(
+    config: ClientConfig, sessions: Sequence[Session], desc: str = "bench", tracker: PrefixTracker | None = None
+) -> tuple[list[RequestRecord], float]:
     """Send every session; returns the records (in send order) and the run's wall time.
     `tracker`: what was sent before (to carry cold/warm across runs); default a fresh one."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=config.url.rstrip("/"), timeout=config.timeout_s,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=config.url.rstrip("/"), timeout=config.timeout_s, limits=limits) as client:
         info = await server_info(client)
         model = config.model or info.get("id")
         logprobs = config.logprobs
@@ -189,8 +190,17 @@ async def run_sessions(config: ClientConfig, sessions: Sequence[Session], desc: 
                     due = time.perf_counter() - t0
                 prompt: list[int] | str = render_text(req.prompt) if config.text_prompts else req.prompt
                 seen, warm = tracker.observe(key, prompt, req.prefix_key)
-                rec = RequestRecord(len(records), s.session_id, turn, req.tag, tenant, due,
-                                    prompt_len=len(prompt), seen_prefix_len=seen, warm=warm)
+                rec = RequestRecord(
+                    len(records),
+                    s.session_id,
+                    turn,
+                    req.tag,
+                    tenant,
+                    due,
+                    prompt_len=len(prompt),
+                    seen_prefix_len=seen,
+                    warm=warm,
+                )
                 records.append(rec)
                 await send(client, rec, req, prompt, key, model, logprobs, t0, config)
                 if bar is not None:
@@ -204,13 +214,27 @@ async def run_sessions(config: ClientConfig, sessions: Sequence[Session], desc: 
         return records, time.perf_counter() - t0
 
 
-async def send(client: Any, rec: RequestRecord, req: BenchRequest, prompt: list[int] | str,
-               api_key: str | None, model: str | None, logprobs: bool, t0: float, config: ClientConfig) -> None:
+async def send(
+    client: Any,
+    rec: RequestRecord,
+    req: BenchRequest,
+    prompt: list[int] | str,
+    api_key: str | None,
+    model: str | None,
+    logprobs: bool,
+    t0: float,
+    config: ClientConfig,
+) -> None:
     """One streaming completion; fills `rec` (errors go to rec.error, never raised)."""
     import httpx
 
-    body: dict[str, Any] = {"prompt": prompt, "max_tokens": req.max_tokens, "temperature": config.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "prompt": prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if model is not None:
         body["model"] = model
     if config.ignore_eos:

@@ -84,18 +84,23 @@ def headline(deltas: Samples | None) -> dict[str, Any] | None:
             "prefix_hits_by_tier": _by_label(deltas, k + "prefix_cache_hits_total", "tier"),
             "restore_decisions": _by_label(deltas, k + "restore_decisions_total", "decision"),
             "preemptions": _total(deltas, k + "num_preemptions_total"),
-            "tier_errors": {f"{dict(labels).get('tier')}/{dict(labels).get('kind')}": v
-                            for (n, labels), v in deltas.items()
-                            if n == k + "tier_errors_total" and v},
+            "tier_errors": {
+                f"{dict(labels).get('tier')}/{dict(labels).get('kind')}": v
+                for (n, labels), v in deltas.items()
+                if n == k + "tier_errors_total" and v
+            },
         }
     v = "vllm:"
     hits = _total(deltas, v + "prefix_cache_hits_total")
     queries = _total(deltas, v + "prefix_cache_queries_total")
     if hits is None and queries is None:
         return None
-    return {"server": "vllm", "prefix_queries_by_tier": {"device": queries or 0.0},
-            "prefix_hits_by_tier": {"device": hits or 0.0},
-            "preemptions": _total(deltas, v + "num_preemptions_total")}
+    return {
+        "server": "vllm",
+        "prefix_queries_by_tier": {"device": queries or 0.0},
+        "prefix_hits_by_tier": {"device": hits or 0.0},
+        "preemptions": _total(deltas, v + "num_preemptions_total"),
+    }
 
 
 def deltas_json(deltas: Samples | None) -> list[dict[str, Any]] | None:

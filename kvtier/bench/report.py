@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import os
 import platform
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from kvtier.bench.client import RequestRecord
 
@@ -53,11 +54,13 @@ def cache_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
         for tier, n in (r.cached_tokens_by_tier or {}).items():
             by_tier[tier] = by_tier.get(tier, 0) + n
     reported = any(r.cached_tokens is not None for r in ok)
-    return {"prompt_tokens": prompt, "cached_tokens": cached if reported else None,
-            "cached_fraction": cached / prompt if reported and prompt else None,
-            "cached_tokens_by_tier": by_tier or None,
-            "ideal_cached_tokens": sum(min(r.seen_prefix_len, max((r.prompt_tokens or r.prompt_len) - 1, 0))
-                                       for r in ok)}
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached if reported else None,
+        "cached_fraction": cached / prompt if reported and prompt else None,
+        "cached_tokens_by_tier": by_tier or None,
+        "ideal_cached_tokens": sum(min(r.seen_prefix_len, max((r.prompt_tokens or r.prompt_len) - 1, 0)) for r in ok),
+    }
 
 
 def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
@@ -81,8 +84,10 @@ def summarize(records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]
     s["warm"]["cache"] = cache_summary([r for r in ok if r.warm])
     tags = sorted({r.tag for r in ok if r.tag})
     if tags:
-        s["by_tag"] = {t: {**latency_summary([r for r in ok if r.tag == t]),
-                           "cache": cache_summary([r for r in ok if r.tag == t])} for t in tags}
+        s["by_tag"] = {
+            t: {**latency_summary([r for r in ok if r.tag == t]), "cache": cache_summary([r for r in ok if r.tag == t])}
+            for t in tags
+        }
     return s
 
 
@@ -97,11 +102,16 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30, 1)
+        mem_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     except (ValueError, OSError):
         mem_gib = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem_gib, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "mem_gib": mem_gib,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
 
 
 # ------------------------------------------------------------------ Markdown
@@ -115,23 +125,33 @@ def _num(x: float | None, fmt: str = "{:.2f}") -> str:
 
 def _latency_rows(name: str, s: dict[str, Any]) -> list[str]:
     t, i, e = s["ttft_s"], s["itl_s"], s["e2e_s"]
-    return [f"| {name} | {s['requests']} | {_ms(t['p50'])} | {_ms(t['p95'])} | {_ms(t['p99'])} | "
-            f"{_ms(i['p50'])} | {_ms(i['p95'])} | {_ms(e['p50'])} | {_ms(e['p95'])} |"]
+    return [
+        f"| {name} | {s['requests']} | {_ms(t['p50'])} | {_ms(t['p95'])} | {_ms(t['p99'])} | "
+        f"{_ms(i['p50'])} | {_ms(i['p95'])} | {_ms(e['p50'])} | {_ms(e['p95'])} |"
+    ]
 
 
 def run_markdown(title: str, run: dict[str, Any]) -> list[str]:
     s = run["summary"]
     lines = [f"### {title}", ""]
-    lines.append(f"{s['requests']} requests ({s['errors']} errors) in {s['wall_s']:.1f} s: "
-                 f"{_num(s['requests_per_s'])} req/s, {_num(s['output_tokens_per_s'], '{:.1f}')} output tok/s.")
+    lines.append(
+        f"{s['requests']} requests ({s['errors']} errors) in {s['wall_s']:.1f} s: "
+        f"{_num(s['requests_per_s'])} req/s, {_num(s['output_tokens_per_s'], '{:.1f}')} output tok/s."
+    )
     c = s["cache"]
     if c["cached_tokens"] is not None:
         frac = c["cached_fraction"]
-        lines.append(f"Cached prompt tokens: {c['cached_tokens']} of {c['prompt_tokens']} "
-                     f"({_num(frac * 100 if frac is not None else None, '{:.1f}')}%), by tier "
-                     f"{c['cached_tokens_by_tier'] or {}}; an ideal cache: {c['ideal_cached_tokens']}.")
-    lines += ["", "| requests | n | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 ms | ITL p95 ms | "
-              "E2E p50 ms | E2E p95 ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"Cached prompt tokens: {c['cached_tokens']} of {c['prompt_tokens']} "
+            f"({_num(frac * 100 if frac is not None else None, '{:.1f}')}%), by tier "
+            f"{c['cached_tokens_by_tier'] or {}}; an ideal cache: {c['ideal_cached_tokens']}."
+        )
+    lines += [
+        "",
+        "| requests | n | TTFT p50 ms | TTFT p95 ms | TTFT p99 ms | ITL p50 ms | ITL p95 ms | "
+        "E2E p50 ms | E2E p95 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     lines += _latency_rows("all", s)
     lines += _latency_rows("cold", s["cold"])
     lines += _latency_rows("warm", s["warm"])
@@ -140,8 +160,17 @@ def run_markdown(title: str, run: dict[str, Any]) -> list[str]:
     m = run.get("metrics")
     if m:
         lines += ["", f"Server metrics during the run ({m['server']}):"]
-        for key in ("prefix_hits_by_tier", "prefix_queries_by_tier", "bytes_read_by_tier", "bytes_written_by_tier",
-                    "restore_seconds_by_tier", "restore_decisions", "recomputed_tokens", "preemptions", "tier_errors"):
+        for key in (
+            "prefix_hits_by_tier",
+            "prefix_queries_by_tier",
+            "bytes_read_by_tier",
+            "bytes_written_by_tier",
+            "restore_seconds_by_tier",
+            "restore_decisions",
+            "recomputed_tokens",
+            "preemptions",
+            "tier_errors",
+        ):
             if key in m and m[key] not in (None, {}):
                 lines.append(f"- {key}: {_fmt_metric(m[key])}")
     lines.append("")
@@ -158,8 +187,10 @@ def _fmt_metric(v: Any) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"# kvtier bench: {result['workload']} ({result['scenario']})", ""]
-    lines.append(f"Target: {result['target']}. Machine: {result['machine']['cpu']}, "
-                 f"{result['machine']['cores']} cores, {result['machine']['mem_gib']} GiB.")
+    lines.append(
+        f"Target: {result['target']}. Machine: {result['machine']['cpu']}, "
+        f"{result['machine']['cores']} cores, {result['machine']['mem_gib']} GiB."
+    )
     lines.append(f"Command: `{result['command']}`")
     lines.append("")
     iso = result.get("isolation")
@@ -168,13 +199,17 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("")
     sweep = result.get("sweep")
     if sweep:
-        lines += ["| concurrency | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p95 ms | cached % |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "| concurrency | req/s | output tok/s | TTFT p50 ms | TTFT p95 ms | ITL p95 ms | cached % |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for p in sweep:
             frac = p["cached_fraction"]
-            lines.append(f"| {p['concurrency']} | {_num(p['requests_per_s'])} | {_num(p['output_tokens_per_s'], '{:.1f}')} | "
-                         f"{_ms(p['ttft_p50_s'])} | {_ms(p['ttft_p95_s'])} | {_ms(p['itl_p95_s'])} | "
-                         f"{_num(frac * 100 if frac is not None else None, '{:.1f}')} |")
+            lines.append(
+                f"| {p['concurrency']} | {_num(p['requests_per_s'])} | {_num(p['output_tokens_per_s'], '{:.1f}')} | "
+                f"{_ms(p['ttft_p50_s'])} | {_ms(p['ttft_p95_s'])} | {_ms(p['itl_p95_s'])} | "
+                f"{_num(frac * 100 if frac is not None else None, '{:.1f}')} |"
+            )
         lines.append("")
     for name, run in result["runs"].items():
         lines += run_markdown(name, run)
@@ -184,11 +219,13 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 # ------------------------------------------------------------------ plots
-def plots(result: dict[str, Any], records_by_run: dict[str, Sequence[RequestRecord]], out_dir: Path,
-          stem: str) -> list[str]:
+def plots(
+    result: dict[str, Any], records_by_run: dict[str, Sequence[RequestRecord]], out_dir: Path, stem: str
+) -> list[str]:
     """TTFT CDF (cold vs warm, every run) and, for a sweep, p50/p95 TTFT vs concurrency."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -203,8 +240,14 @@ def plots(result: dict[str, Any], records_by_run: dict[str, Sequence[RequestReco
             if not xs:
                 continue
             ys = [0.0] + [(k + 1) / len(xs) for k in range(len(xs))]
-            ax.step([xs[0]] + xs, ys, style, where="post", color=colors[i % len(colors)],
-                    label=f"{name} {'warm' if warm else 'cold'} (n={len(xs)})")
+            ax.step(
+                [xs[0]] + xs,
+                ys,
+                style,
+                where="post",
+                color=colors[i % len(colors)],
+                label=f"{name} {'warm' if warm else 'cold'} (n={len(xs)})",
+            )
             drawn = True
     if drawn:
         ax.set_xscale("log")

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvtier.bench import metrics as M
 from kvtier.bench import server as S
@@ -74,8 +75,10 @@ class Targets:
         cfg = self.cfg
         if cfg.url is not None:
             if engine_kwargs is not None:
-                raise ValueError(f"the {cfg.scenario} scenario restarts the server with other tier "
-                                 "settings; run it with --model (the harness starts kvtier serve)")
+                raise ValueError(
+                    f"the {cfg.scenario} scenario restarts the server with other tier "
+                    "settings; run it with --model (the harness starts kvtier serve)"
+                )
             return cfg.url.rstrip("/")
         flags = S.serve_flags(cfg.engine_kwargs if engine_kwargs is None else engine_kwargs)
         if api_keys:
@@ -98,10 +101,17 @@ class Targets:
 
 
 def _client(cfg: BenchConfig, url: str, **overrides: Any) -> ClientConfig:
-    base = ClientConfig(url=url, model=cfg.served_model_name, api_key=cfg.api_key, concurrency=cfg.concurrency,
-                        text_prompts=cfg.text_prompts, logprobs=cfg.logprobs,
-                        return_token_ids=cfg.return_token_ids, timeout_s=cfg.timeout_s,
-                        progress=cfg.progress)
+    base = ClientConfig(
+        url=url,
+        model=cfg.served_model_name,
+        api_key=cfg.api_key,
+        concurrency=cfg.concurrency,
+        text_prompts=cfg.text_prompts,
+        logprobs=cfg.logprobs,
+        return_token_ids=cfg.return_token_ids,
+        timeout_s=cfg.timeout_s,
+        progress=cfg.progress,
+    )
     if cfg.workload == "trace":  # track prefixes at the trace's block granularity
         base = replace(base, prefix_granule=min(base.prefix_granule, cfg.workload_config.block_tokens))
     return replace(base, **overrides)
@@ -111,17 +121,29 @@ def _salt(cfg: BenchConfig, run_id: str, name: str) -> str | None:
     return f"kvtier-bench-{run_id}-{name}" if cfg.salt_runs else None
 
 
-def one_run(name: str, client: ClientConfig, sessions: Sequence[Session], flags: list[str] | None,
-            tracker: PrefixTracker | None = None) -> tuple[dict[str, Any], list[RequestRecord]]:
+def one_run(
+    name: str,
+    client: ClientConfig,
+    sessions: Sequence[Session],
+    flags: list[str] | None,
+    tracker: PrefixTracker | None = None,
+) -> tuple[dict[str, Any], list[RequestRecord]]:
     before = M.scrape(client.url)
     records, wall_s = asyncio.run(run_sessions(client, sessions, desc=name, tracker=tracker))
     after = M.scrape(client.url)
     deltas = M.counter_deltas(before, after)
-    run = {"summary": summarize(records, wall_s), "metrics": M.headline(deltas),
-           "metric_deltas": M.deltas_json(deltas), "server_flags": flags,
-           "client": {"concurrency": client.concurrency, "cache_salt": client.cache_salt,
-                      "text_prompts": client.text_prompts},
-           "records": [r.to_json() for r in records]}
+    run = {
+        "summary": summarize(records, wall_s),
+        "metrics": M.headline(deltas),
+        "metric_deltas": M.deltas_json(deltas),
+        "server_flags": flags,
+        "client": {
+            "concurrency": client.concurrency,
+            "cache_salt": client.cache_salt,
+            "text_prompts": client.text_prompts,
+        },
+        "records": [r.to_json() for r in records],
+    }
     return run, records
 
 
@@ -146,8 +168,10 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     if (cfg.url is None) == (cfg.model is None):
         raise ValueError("give exactly one target: --model DIR (kvtier serve, started here) or --url URL")
     if cfg.url is not None and cfg.engine_kwargs:
-        raise ValueError("engine and tier flags configure the server the harness starts; with --url "
-                         "configure that server instead (or use --model)")
+        raise ValueError(
+            "engine and tier flags configure the server the harness starts; with --url "
+            "configure that server instead (or use --model)"
+        )
     if cfg.scenario in ("mixed", "isolation"):
         cfg = replace(cfg, workload="mixed" if cfg.scenario == "mixed" else "independent")
     cfg = replace(cfg, concurrency=_default_concurrency(cfg))
@@ -156,9 +180,11 @@ def run(cfg: BenchConfig) -> dict[str, Any]:
     stem = cfg.name or f"{cfg.workload}_{cfg.scenario}"
     targets = Targets(cfg, out_dir / f"{stem}_logs")
     result: dict[str, Any] = {
-        "workload": cfg.workload, "scenario": cfg.scenario,
+        "workload": cfg.workload,
+        "scenario": cfg.scenario,
         "target": cfg.url or f"kvtier serve --model {cfg.model} (started by the harness)",
-        "command": cfg.command, "machine": machine(),
+        "command": cfg.command,
+        "machine": machine(),
         "workload_config": {k: v for k, v in vars(cfg.workload_config).items()},
         "runs": {},
     }
@@ -205,15 +231,24 @@ def scenario_concurrency(cfg: BenchConfig, targets: Targets, result: dict, recor
         run, records = one_run(name, client, build(cfg.workload, cfg.workload_config), targets.flags_of(url))
         _record(result, records_by_run, name, run, records)
         s = run["summary"]
-        sweep.append({"concurrency": c, "requests_per_s": s["requests_per_s"],
-                      "output_tokens_per_s": s["output_tokens_per_s"], "ttft_p50_s": s["ttft_s"]["p50"],
-                      "ttft_p95_s": s["ttft_s"]["p95"], "itl_p95_s": s["itl_s"]["p95"],
-                      "cached_fraction": s["cache"]["cached_fraction"], "errors": s["errors"]})
+        sweep.append(
+            {
+                "concurrency": c,
+                "requests_per_s": s["requests_per_s"],
+                "output_tokens_per_s": s["output_tokens_per_s"],
+                "ttft_p50_s": s["ttft_s"]["p50"],
+                "ttft_p95_s": s["ttft_s"]["p95"],
+                "itl_p95_s": s["itl_s"]["p95"],
+                "cached_fraction": s["cache"]["cached_fraction"],
+                "errors": s["errors"],
+            }
+        )
     result["sweep"] = sweep
 
 
-def _two_configs(cfg: BenchConfig, targets: Targets, result: dict, records_by_run: dict,
-                 configs: list[tuple[str, dict[str, Any]]]) -> None:
+def _two_configs(
+    cfg: BenchConfig, targets: Targets, result: dict, records_by_run: dict, configs: list[tuple[str, dict[str, Any]]]
+) -> None:
     run_id = uuid.uuid4().hex[:8]
     for name, kw in configs:
         url = targets.url(kw)
@@ -235,7 +270,9 @@ def scenario_slow_storage(cfg: BenchConfig, targets: Targets, result: dict, reco
     if not any(k in base for k in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url")):
         base["host_cache_bytes"] = ROOMY_HOST_BYTES
     result["tier_faults"] = faults
-    _two_configs(cfg, targets, result, records_by_run, [("baseline", base), ("slowed", {**base, "tier_faults": faults})])
+    _two_configs(
+        cfg, targets, result, records_by_run, [("baseline", base), ("slowed", {**base, "tier_faults": faults})]
+    )
 
 
 def scenario_isolation(cfg: BenchConfig, targets: Targets, result: dict, records_by_run: dict) -> None:
@@ -243,8 +280,10 @@ def scenario_isolation(cfg: BenchConfig, targets: Targets, result: dict, records
     same prompts: every one of B's requests must report 0 cached tokens."""
     if cfg.url is not None:
         if cfg.tenant_keys is None:
-            raise ValueError("the isolation scenario against --url needs --tenant-keys KEY_A,KEY_B "
-                             "(API keys of two different tenants)")
+            raise ValueError(
+                "the isolation scenario against --url needs --tenant-keys KEY_A,KEY_B "
+                "(API keys of two different tenants)"
+            )
         key_a, key_b = cfg.tenant_keys
         url = targets.url()
     else:
@@ -275,11 +314,17 @@ def scenario_isolation(cfg: BenchConfig, targets: Targets, result: dict, records
     elif b_cached:
         detail = f"tenant B got {b_cached} cached tokens on {len(leaks)} of {len(b)} requests (KV crossed tenants)"
     else:
-        detail = (f"tenant A's repeat reused {a_cached} cached tokens; tenant B, same {len(b)} prompts, "
-                  f"got 0 cached tokens")
-    result["isolation"] = {"passed": passed, "detail": detail, "tenant_a_repeat_cached_tokens": a_cached,
-                           "tenant_b_cached_tokens": b_cached, "tenant_b_requests_with_cached": len(leaks),
-                           "requests_per_phase": len(b)}
+        detail = (
+            f"tenant A's repeat reused {a_cached} cached tokens; tenant B, same {len(b)} prompts, got 0 cached tokens"
+        )
+    result["isolation"] = {
+        "passed": passed,
+        "detail": detail,
+        "tenant_a_repeat_cached_tokens": a_cached,
+        "tenant_b_cached_tokens": b_cached,
+        "tenant_b_requests_with_cached": len(leaks),
+        "requests_per_phase": len(b),
+    }
 
 
 SCENARIO_FUNCS: dict[str, Scenario] = {

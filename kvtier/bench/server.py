@@ -38,8 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis_server(data_dir: str | Path, port: int | None = None,
-                       ready_timeout_s: float = 30.0) -> tuple[subprocess.Popen, int]:
+def start_redis_server(
+    data_dir: str | Path, port: int | None = None, ready_timeout_s: float = 30.0
+) -> tuple[subprocess.Popen, int]:
     """A real redis-server (Debian's, on PATH) on a loopback port, without persistence; returns
     once it answers PING. The caller stops it (it may also SIGSTOP / kill it on purpose)."""
     import shutil
@@ -50,9 +51,23 @@ def start_redis_server(data_dir: str | Path, port: int | None = None,
     if binary is None:
         raise FileNotFoundError("redis-server is not installed (Debian: apt-get install redis-server)")
     port = port or free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(data_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client = redis.Redis(port=port)
     deadline = time.monotonic() + ready_timeout_s
     while True:
@@ -102,7 +117,7 @@ class ManagedServer:
     def stop(self) -> None:
         stop_process(self.proc)
 
-    def __enter__(self) -> "ManagedServer":
+    def __enter__(self) -> ManagedServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -115,8 +130,23 @@ def start(model: str, flags: list[str], log_path: Path, ready_timeout_s: float =
     import httpx
 
     port = free_port()
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
@@ -124,8 +154,9 @@ def start(model: str, flags: list[str], log_path: Path, ready_timeout_s: float =
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvtier serve exited with {proc.returncode}; its log ({log_path}):\n"
-                               f"{server.log_tail()}")
+            raise RuntimeError(
+                f"kvtier serve exited with {proc.returncode}; its log ({log_path}):\n{server.log_tail()}"
+            )
         try:
             if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
                 return server
@@ -133,8 +164,10 @@ def start(model: str, flags: list[str], log_path: Path, ready_timeout_s: float =
             pass
         time.sleep(0.2)
     server.stop()
-    raise RuntimeError(f"kvtier serve did not answer /health within {ready_timeout_s:.0f} s; "
-                       f"its log ({log_path}):\n{server.log_tail()}")
+    raise RuntimeError(
+        f"kvtier serve did not answer /health within {ready_timeout_s:.0f} s; "
+        f"its log ({log_path}):\n{server.log_tail()}"
+    )
 
 
 def _child_env() -> dict[str, str]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 VOCAB = 32000
 FIRST_TOKEN = 100
@@ -159,8 +159,14 @@ def multi_turn(c: WorkloadConfig) -> list[Session]:
         reqs = []
         for t in range(c.turns):
             context = context + synth_tokens(c.seed, ("user", s, t), c.user_tokens, c.vocab_size)
-            reqs.append(BenchRequest(list(context), c.output_tokens, prefix_key=f"session{s}",
-                                     think_s=_think(rng, c.think_time_s) if t else 0.0))
+            reqs.append(
+                BenchRequest(
+                    list(context),
+                    c.output_tokens,
+                    prefix_key=f"session{s}",
+                    think_s=_think(rng, c.think_time_s) if t else 0.0,
+                )
+            )
             context = context + synth_tokens(c.seed, ("reply", s, t), c.reply_tokens, c.vocab_size)
         sessions.append(Session(f"mt{s}", reqs, arrivals[s]))
     return sessions
@@ -180,8 +186,14 @@ def agent(c: WorkloadConfig) -> list[Session]:
             context = tools + task
             reqs = []
             for step in range(c.turns):
-                reqs.append(BenchRequest(list(context), c.output_tokens, prefix_key=f"flow{f}",
-                                         think_s=_think(rng, c.think_time_s) if step else 0.0))
+                reqs.append(
+                    BenchRequest(
+                        list(context),
+                        c.output_tokens,
+                        prefix_key=f"flow{f}",
+                        think_s=_think(rng, c.think_time_s) if step else 0.0,
+                    )
+                )
                 key = ("step", f, step) if step < c.shared_steps else ("step", f, b, step)
                 context = context + synth_tokens(c.seed, key, c.step_tokens, c.vocab_size)
             sessions.append(Session(f"agent{f}.{b}", reqs, arrivals[f], meta={"flow": f, "branch": b}))
@@ -209,8 +221,14 @@ def rag(c: WorkloadConfig) -> list[Session]:
         for d in chosen:
             prompt += docs[d]
         prompt += synth_tokens(c.seed, ("rag-question", i), c.question_tokens, c.vocab_size)
-        sessions.append(Session(f"rag{i}", [BenchRequest(prompt, c.output_tokens, prefix_key=f"doc{chosen[0]}")],
-                                arrivals[i], meta={"docs": chosen}))
+        sessions.append(
+            Session(
+                f"rag{i}",
+                [BenchRequest(prompt, c.output_tokens, prefix_key=f"doc{chosen[0]}")],
+                arrivals[i],
+                meta={"docs": chosen},
+            )
+        )
     return sessions
 
 
@@ -224,8 +242,7 @@ def independent(c: WorkloadConfig) -> list[Session]:
         while prompt[0] in firsts:  # no two prompts share even one token of prefix
             prompt[0] = FIRST_TOKEN + (prompt[0] - FIRST_TOKEN + 1) % (c.vocab_size - FIRST_TOKEN)
         firsts.add(prompt[0])
-        sessions.append(Session(f"ind{i}", [BenchRequest(prompt, c.output_tokens, prefix_key=f"ind{i}")],
-                                arrivals[i]))
+        sessions.append(Session(f"ind{i}", [BenchRequest(prompt, c.output_tokens, prefix_key=f"ind{i}")], arrivals[i]))
     return sessions
 
 
@@ -242,7 +259,7 @@ def mixed(c: WorkloadConfig) -> list[Session]:
     # interleave so both kinds compete for the concurrency slots from the start
     out: list[Session] = []
     for i in range(max(len(long), len(short))):
-        out += long[i:i + 1] + short[i:i + 1]
+        out += long[i : i + 1] + short[i : i + 1]
     return out
 
 
@@ -253,8 +270,9 @@ def scaled_input_length(input_length: int, block_tokens: int, trace_block_tokens
     return max(1, math.ceil(input_length * block_tokens / trace_block_tokens))
 
 
-def trace_prompt(hash_ids: Sequence[int], input_length: int, seed: int, block_tokens: int,
-                 vocab: int = VOCAB) -> list[int]:
+def trace_prompt(
+    hash_ids: Sequence[int], input_length: int, seed: int, block_tokens: int, vocab: int = VOCAB
+) -> list[int]:
     """One block of `block_tokens` tokens per hash id (equal ids give equal tokens), the last
     block truncated, or padded with request-unique tokens when input_length is longer."""
     tokens: list[int] = []
@@ -280,8 +298,9 @@ def load_records(path: str, limit: int | None = None) -> list[dict]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not JSON: {e}") from None
             if not isinstance(r, dict) or "hash_ids" not in r:
-                raise ValueError(f"{path}:{n}: a Mooncake record needs timestamp, input_length, "
-                                 "output_length and hash_ids")
+                raise ValueError(
+                    f"{path}:{n}: a Mooncake record needs timestamp, input_length, output_length and hash_ids"
+                )
             records.append(r)
             if limit is not None and len(records) >= limit:
                 break
@@ -297,7 +316,7 @@ def trace(c: WorkloadConfig, records: Sequence[dict] | None = None) -> list[Sess
             raise ValueError("the trace workload needs --trace FILE.jsonl (Mooncake format)")
         records = load_records(c.trace, c.limit)
     elif c.limit is not None:
-        records = list(records)[:c.limit]
+        records = list(records)[: c.limit]
     if c.speedup <= 0:
         raise ValueError(f"--speedup must be positive, got {c.speedup}")
     records = sorted(records, key=lambda r: r.get("timestamp", 0))  # stable
@@ -305,15 +324,22 @@ def trace(c: WorkloadConfig, records: Sequence[dict] | None = None) -> list[Sess
     sessions = []
     for i, r in enumerate(records):
         ids = list(r["hash_ids"])
-        length = scaled_input_length(int(r.get("input_length", len(ids) * c.trace_block_tokens)),
-                                     c.block_tokens, c.trace_block_tokens)
+        length = scaled_input_length(
+            int(r.get("input_length", len(ids) * c.trace_block_tokens)), c.block_tokens, c.trace_block_tokens
+        )
         out = c.output_tokens
         if c.trace_output and r.get("output_length"):
             out = max(1, min(int(r["output_length"]), c.output_tokens))
         prompt = trace_prompt(ids, length, c.seed, c.block_tokens, c.vocab_size)
         arrival = (float(r.get("timestamp", 0)) - t0) / 1000.0 / c.speedup
-        sessions.append(Session(f"trace{i}", [BenchRequest(prompt, out)], arrival,
-                                meta={"hash_ids": ids[:4] + (["..."] if len(ids) > 4 else [])}))
+        sessions.append(
+            Session(
+                f"trace{i}",
+                [BenchRequest(prompt, out)],
+                arrival,
+                meta={"hash_ids": ids[:4] + (["..."] if len(ids) > 4 else [])},
+            )
+        )
     return sessions
 
 

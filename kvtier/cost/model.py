@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 class Ema:
     """Exponential moving average; `value` is None until the first sample."""
 
-    __slots__ = ("alpha", "value", "count")
+    __slots__ = ("alpha", "count", "value")
 
     def __init__(self, alpha: float = 0.2, value: float | None = None) -> None:
         self.alpha = alpha
@@ -114,8 +114,10 @@ class PrefillEstimator:
         th[1] += k[1] * err
         th[0] = max(th[0], 0.0)
         th[1] = max(th[1], 0.0)
-        self.P = [[(P[0][0] - k[0] * px[0]) / lam, (P[0][1] - k[0] * px[1]) / lam],
-                  [(P[1][0] - k[1] * px[0]) / lam, (P[1][1] - k[1] * px[1]) / lam]]
+        self.P = [
+            [(P[0][0] - k[0] * px[0]) / lam, (P[0][1] - k[0] * px[1]) / lam],
+            [(P[1][0] - k[1] * px[0]) / lam, (P[1][1] - k[1] * px[1]) / lam],
+        ]
         self.num_samples += 1
 
 
@@ -159,8 +161,7 @@ class RestoreDecision:
 
 
 class CostModel:
-    def __init__(self, tier_names: list[str], block_bytes: int, block_size: int,
-                 h2d_bytes_per_s: float = 1e10) -> None:
+    def __init__(self, tier_names: list[str], block_bytes: int, block_size: int, h2d_bytes_per_s: float = 1e10) -> None:
         self.tiers = {name: TierSpeed(name) for name in tier_names}
         self.block_bytes = block_bytes
         self.block_size = block_size
@@ -170,9 +171,17 @@ class CostModel:
         """Expected wait before a new job starts on each tier (set by the I/O scheduler)."""
 
     @classmethod
-    def fixed(cls, block_bytes: int, block_size: int, *, read_bytes_per_s: dict[str, float],
-              latency_s: dict[str, float], prefill_s_per_token: float,
-              prefill_s_per_token_pair: float = 0.0, h2d_bytes_per_s: float = float("inf")) -> CostModel:
+    def fixed(
+        cls,
+        block_bytes: int,
+        block_size: int,
+        *,
+        read_bytes_per_s: dict[str, float],
+        latency_s: dict[str, float],
+        prefill_s_per_token: float,
+        prefill_s_per_token_pair: float = 0.0,
+        h2d_bytes_per_s: float = float("inf"),
+    ) -> CostModel:
         """A model with given speeds that measurements never move (the simulator's: it has no
         I/O to measure). `h2d_bytes_per_s` infinite: the tier figures are whole restores
         (read + copy into the pool)."""
@@ -199,8 +208,9 @@ class CostModel:
             total += n
         return t + total * self.block_bytes / self.h2d.get(1e10)
 
-    def decide(self, device_tokens: int, runs: list[TierRun], prompt_tokens: int,
-               restore_all: bool = False) -> RestoreDecision:
+    def decide(
+        self, device_tokens: int, runs: list[TierRun], prompt_tokens: int, restore_all: bool = False
+    ) -> RestoreDecision:
         """Best number of stored blocks to restore after `device_tokens` already on device
         (`restore_all`: every stored block, whatever it costs).
 

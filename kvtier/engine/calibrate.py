@@ -24,7 +24,7 @@ def calibrate(runner, tiers, max_tokens: int = 256) -> None:
         ids = [int(i) for i in torch.randint(0, vocab, (2 * n,))]
         est = tiers.cost.prefill
         for start, num in ((0, n), (0, n), (n, max(bs, n // 8))):
-            seq = ScheduledSeq("calibrate", ids[start:start + num], start, blocks, True)
+            seq = ScheduledSeq("calibrate", ids[start : start + num], start, blocks, True)
             t0 = time.perf_counter()
             runner.execute(SchedulerOutput(seqs=[seq]))
             est.observe(est.features(num, start), time.perf_counter() - t0)

@@ -1,10 +1,10 @@
 """EngineCore: the step loop.
 
-    out     = scheduler.schedule()              # who computes how many tokens, block copies
-    logits  = runner.execute(out)               # copies, one forward pass, logits of sampled rows
-    samples = sample(logits, rows)              # one token per sampled sequence (n per new group)
-    done    = scheduler.update_from_output(...) # advance, cache full blocks, stop checks, free
-    return    outputs of the requests that moved
+out     = scheduler.schedule()              # who computes how many tokens, block copies
+logits  = runner.execute(out)               # copies, one forward pass, logits of sampled rows
+samples = sample(logits, rows)              # one token per sampled sequence (n per new group)
+done    = scheduler.update_from_output(...) # advance, cache full blocks, stop checks, free
+return    outputs of the requests that moved
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import bisect
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -106,31 +107,43 @@ class EngineCore:
         """The CPU compute-thread plan in force (kvtier.threads), None on an accelerator."""
         if runner is None and (mc.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
             from kvtier import threads
+
             self.thread_plan = threads.configure(mc.cpu_threads_bind, mc.num_threads)
         self.team = None
         """Shrinks the compute team off CPUs other processes use (kvtier.threads.AdaptiveTeam)."""
         if self.thread_plan is not None and len(self.thread_plan.compute_cpus) >= 2:
             from kvtier import threads
+
             self.team = threads.AdaptiveTeam(self.thread_plan)
         self.runner = runner or ModelRunner(
-            mc.model, dtype=mc.dtype, device=mc.device, block_size=cc.block_size,
-            num_blocks=cc.num_device_blocks, kv_cache_bytes=cc.kv_cache_bytes, seed=mc.seed,
-            kv_cache_dtype=cc.kv_cache_dtype, memory_fraction=cc.memory_fraction)
-        self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching,
-                                 cc.eviction_policy)
+            mc.model,
+            dtype=mc.dtype,
+            device=mc.device,
+            block_size=cc.block_size,
+            num_blocks=cc.num_device_blocks,
+            kv_cache_bytes=cc.kv_cache_bytes,
+            seed=mc.seed,
+            kv_cache_dtype=cc.kv_cache_dtype,
+            memory_fraction=cc.memory_fraction,
+        )
+        self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy)
         self.tiers = None
         if config.tiers.enabled:
             if not cc.enable_prefix_caching:
                 raise ValueError("tiers below the device need enable_prefix_caching=True")
             from kvtier.tiers.hierarchy import TierHierarchy
-            self.tiers = TierHierarchy(config.tiers, fingerprint=self.runner.fingerprint,
-                                       block_bytes=self.runner.kv_bytes_per_block, block_size=cc.block_size)
+
+            self.tiers = TierHierarchy(
+                config.tiers,
+                fingerprint=self.runner.fingerprint,
+                block_bytes=self.runner.kv_bytes_per_block,
+                block_size=cc.block_size,
+            )
             self.kv.set_store_policy(config.tiers.cache_write_policy, config.tiers.selective_min_hits)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.tiers)
         self.tokenizer = tokenizer
         arch = self.runner.arch
-        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings,
-                                 arch.max_position_embeddings)
+        self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
         eos = set(arch.eos_token_ids)
         if tokenizer is not None:
             eos.update(tokenizer.eos_token_ids)
@@ -151,13 +164,21 @@ class EngineCore:
         self.tenant_ttl_s: dict[str | None, float] = {}
         if self.tiers is not None:
             from kvtier.engine.calibrate import calibrate
+
             calibrate(self.runner, self.tiers)
 
     # ------------------------------------------------------------------ requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    priority: int = 0, prompt: str | None = None,
-                    arrival_time: float | None = None, tenant: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        tenant: str | None = None,
+    ) -> str:
         params = params or SamplingParams()
         params.validate()
         ids = self._check_prompt(self._truncate(prompt_token_ids, params.truncate_prompt_tokens))
@@ -166,18 +187,24 @@ class EngineCore:
             max_out = self.max_model_len - len(ids)
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens; use max_tokens <= {max_out}")
+                f"context of {self.max_model_len} tokens; use max_tokens <= {max_out}"
+            )
         if priority and self.scheduler.config.policy == "fcfs":
-            raise ValueError(f"priority {priority} is only honoured under the 'priority' scheduling "
-                             "policy; this engine runs 'fcfs' (--scheduling-policy priority)")
+            raise ValueError(
+                f"priority {priority} is only honoured under the 'priority' scheduling "
+                "policy; this engine runs 'fcfs' (--scheduling-policy priority)"
+            )
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        matcher = (self._grammar_compiler().matcher(params.structured_outputs)
-                   if params.structured_outputs is not None else None)
+        matcher = (
+            self._grammar_compiler().matcher(params.structured_outputs)
+            if params.structured_outputs is not None
+            else None
+        )
         group = _Group(request_id, prompt, ids, params, arrival)
         group.tenant = tenant
         if params.prompt_logprobs is not None:
@@ -202,8 +229,9 @@ class EngineCore:
         ids = list(prompt_token_ids)
         keep = self.max_model_len - 1 if keep == -1 else keep
         if keep >= self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens ({keep}) must be below this model's context of "
-                             f"{self.max_model_len} tokens")
+            raise ValueError(
+                f"truncate_prompt_tokens ({keep}) must be below this model's context of {self.max_model_len} tokens"
+            )
         return ids[-keep:]
 
     def _check_logits_params(self, params: SamplingParams) -> None:
@@ -235,27 +263,49 @@ class EngineCore:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model's context is "
-                             f"{self.max_model_len} tokens (prompt plus at least one output token)")
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; this model's context is "
+                f"{self.max_model_len} tokens (prompt plus at least one output token)"
+            )
         return ids
 
-    def _new_seq(self, group: _Group, index: int, tokens: list[int], cache_salt: str | None,
-                 priority: int, arrival: float, parent_id: str | None = None) -> Request:
+    def _new_seq(
+        self,
+        group: _Group,
+        index: int,
+        tokens: list[int],
+        cache_salt: str | None,
+        priority: int,
+        arrival: float,
+        parent_id: str | None = None,
+    ) -> Request:
         sp = group.params.child(index) if group.params.n > 1 else group.params
         req_id = group.request_id if index == 0 else f"{group.request_id}#{index}"
-        req = Request(req_id=req_id, prompt_token_ids=group.prompt_token_ids, sampling=sp,
-                      root_key=root_key(self.runner.fingerprint, cache_salt),
-                      eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
-                      priority=priority, arrival_time=arrival, cache_salt=cache_salt,
-                      parent_id=parent_id, sample_index=index, all_token_ids=list(tokens),
-                      tenant=group.tenant)
+        req = Request(
+            req_id=req_id,
+            prompt_token_ids=group.prompt_token_ids,
+            sampling=sp,
+            root_key=root_key(self.runner.fingerprint, cache_salt),
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            priority=priority,
+            arrival_time=arrival,
+            cache_salt=cache_salt,
+            parent_id=parent_id,
+            sample_index=index,
+            all_token_ids=list(tokens),
+            tenant=group.tenant,
+        )
         if sp.seed is not None:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
         group.seqs.append(req)
         group.texts.append("")
         group.decoded.append(False)
-        group.detoks.append(IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-                            if sp.stop and self.tokenizer is not None else None)
+        group.detoks.append(
+            IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
+            if sp.stop and self.tokenizer is not None
+            else None
+        )
         group.logprobs.append([])
         group.matchers.append(None)
         group.cum_logprobs.append(0.0)
@@ -363,8 +413,9 @@ class EngineCore:
             from kvtier import threads
 
             # off the compute CPUs (it would inherit the engine thread's pin and take its core)
-            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-grammar",
-                                                 initializer=threads.on_helper_thread)
+            self._mask_pool = ThreadPoolExecutor(
+                1, thread_name_prefix="kvtier-grammar", initializer=threads.on_helper_thread
+            )
         from kvtier.model.sampler import mask_bias
         from kvtier.structured import allowed_masks
 
@@ -422,16 +473,20 @@ class EngineCore:
     def _store_blocks(self) -> None:
         todo = self.kv.take_blocks_to_store()
         if todo:
-            self.tiers.store([key for _, key, _ in todo], self.runner.read_block_list([b for b, _, _ in todo]),
-                             [owner for _, _, owner in todo])
+            self.tiers.store(
+                [key for _, key, _ in todo],
+                self.runner.read_block_list([b for b, _, _ in todo]),
+                [owner for _, _, owner in todo],
+            )
 
     def _write_loads(self, out: SchedulerOutput) -> None:
         """Copy restored KV into its device blocks; the copy time counts as restore time."""
         if not out.block_loads:
             return
         t0 = time.perf_counter()
-        self.runner.write_block_list([block_id for _, block_id, _ in out.block_loads],
-                                     [kv for _, _, kv in out.block_loads])
+        self.runner.write_block_list(
+            [block_id for _, block_id, _ in out.block_loads], [kv for _, _, kv in out.block_loads]
+        )
         per_req: dict[str, int] = {}
         for req_id, _, _ in out.block_loads:
             per_req[req_id] = per_req.get(req_id, 0) + 1
@@ -458,6 +513,7 @@ class EngineCore:
         pending = self.scheduler.pending_futures()
         if pending:
             from concurrent.futures import FIRST_COMPLETED, wait
+
             wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
 
     # ------------------------------------------------------------------ purges
@@ -477,8 +533,7 @@ class EngineCore:
         if self.tiers is not None:
             self._store_blocks()
         removed = self._evict_cached(lambda n: n.owner == tenant)
-        counts = {"device": removed,
-                  "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
+        counts = {"device": removed, "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
         future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
         return counts, future
 
@@ -528,8 +583,9 @@ class EngineCore:
         if self.tiers is not None:
             self.tiers.owner_ttl_s = dict(self.tenant_ttl_s)
 
-    def set_tenant_quota(self, tenant: str | None, host_bytes: int | None = None,
-                         disk_bytes: int | None = None) -> None:
+    def set_tenant_quota(
+        self, tenant: str | None, host_bytes: int | None = None, disk_bytes: int | None = None
+    ) -> None:
         """Cap `tenant`'s bytes in the host and disk tiers (its own oldest blocks go first)."""
         if self.tiers is not None:
             if host_bytes is None and disk_bytes is None:
@@ -580,8 +636,9 @@ class EngineCore:
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=True)
 
-    def _sample_rows(self, out: SchedulerOutput, masks: dict[str, torch.Tensor] | None = None
-                     ) -> tuple[list[SampleRow], dict[str, list[int]]]:
+    def _sample_rows(
+        self, out: SchedulerOutput, masks: dict[str, torch.Tensor] | None = None
+    ) -> tuple[list[SampleRow], dict[str, list[int]]]:
         """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row
         (and, under a grammar, copies of the parent's grammar state before its first token)."""
         masks = masks or {}
@@ -594,28 +651,39 @@ class EngineCore:
                 continue
             req = self.scheduler.requests[seq.req_id]
             allowed, bias = masks.get(req.req_id, (None, None))
-            rows.append(SampleRow(r, req.sampling, self._generators.get(req.req_id, self._default_gen),
-                                  req.prompt_token_ids, req.output_token_ids, req.eos_token_ids, allowed, bias))
+            rows.append(
+                SampleRow(
+                    r,
+                    req.sampling,
+                    self._generators.get(req.req_id, self._default_gen),
+                    req.prompt_token_ids,
+                    req.output_token_ids,
+                    req.eos_token_ids,
+                    allowed,
+                    bias,
+                )
+            )
             self._row_keys.append(req.req_id)
             group = self._seq_group[req.req_id]
-            if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids \
-                    and len(group.seqs) == 1:
+            if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids and len(group.seqs) == 1:
                 forks[req.req_id] = []
                 parent_matcher = group.matchers[0]
                 if parent_matcher is not None:
                     self._fork_matchers[req.req_id] = [parent_matcher.copy() for _ in range(1, group.params.n)]
                 for i in range(1, group.params.n):
                     sp = group.params.child(i)
-                    gen = (torch.Generator(device="cpu").manual_seed(sp.seed)
-                           if sp.seed is not None else self._default_gen)
+                    gen = (
+                        torch.Generator(device="cpu").manual_seed(sp.seed) if sp.seed is not None else self._default_gen
+                    )
                     forks[req.req_id].append(len(rows))
                     rows.append(SampleRow(r, sp, gen, req.prompt_token_ids, [], req.eos_token_ids, allowed, bias))
                     self._row_keys.append(f"{req.req_id}#fork{i}")
             r += 1
         return rows, forks
 
-    def _process(self, out: SchedulerOutput, samples: list[Sample], forks: dict[str, list[int]],
-                 finished: list[Request]) -> list[RequestOutput]:
+    def _process(
+        self, out: SchedulerOutput, samples: list[Sample], forks: dict[str, list[int]], finished: list[Request]
+    ) -> list[RequestOutput]:
         moved: dict[str, _Group] = {}
         by_key = dict(zip(self._row_keys, samples))
         for req_id in out.preempted_req_ids:
@@ -645,8 +713,15 @@ class EngineCore:
 
     def _fork_children(self, group: _Group, parent: Request, first: list[Sample]) -> None:
         for i, s in enumerate(first, start=1):
-            child = self._new_seq(group, i, list(parent.prompt_token_ids), parent.cache_salt,
-                                  parent.priority, group.arrival_time, parent_id=parent.req_id)
+            child = self._new_seq(
+                group,
+                i,
+                list(parent.prompt_token_ids),
+                parent.cache_salt,
+                parent.priority,
+                group.arrival_time,
+                parent_id=parent.req_id,
+            )
             copies = self._fork_matchers.get(parent.req_id)
             if copies:
                 group.matchers[i] = copies.pop(0)
@@ -665,15 +740,13 @@ class EngineCore:
     def _record(self, group: _Group, req: Request, s: Sample) -> None:
         i = req.sample_index
         matcher = group.matchers[i]
-        if matcher is not None and group.finish[i] is None:
-            if not matcher.consume(s.token_id) or matcher.done:
-                # complete (nothing may follow but EOS) or, never expected with the mask
-                # applied, a token the grammar refused: the sequence ends here
-                if matcher.error:
-                    logger.warning("request %s: grammar refused token %d: %s", req.req_id, s.token_id,
-                                   matcher.error)
-                group.finish[i] = "stop"
-                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+        if matcher is not None and group.finish[i] is None and (not matcher.consume(s.token_id) or matcher.done):
+            # complete (nothing may follow but EOS) or, never expected with the mask
+            # applied, a token the grammar refused: the sequence ends here
+            if matcher.error:
+                logger.warning("request %s: grammar refused token %d: %s", req.req_id, s.token_id, matcher.error)
+            group.finish[i] = "stop"
+            self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
         st = self.step_stats
         st.num_generation_tokens += 1
         if i == 0 and len(req.output_token_ids) == 1:
@@ -685,13 +758,13 @@ class EngineCore:
         detok = group.detoks[i]
         if detok is not None and group.finish[i] is None:
             # one token's worth of decoding per step (kvtier.engine.detokenizer), not the whole output
-            detok.push(req.output_token_ids[len(detok.token_ids):])
+            detok.push(req.output_token_ids[len(detok.token_ids) :])
             text = detok.text
             cut = _find_stop(text, sp.stop, tail=len(text) - len(group.texts[i]) + max(map(len, sp.stop)))
             group.texts[i] = text
             if cut is not None:
                 pos, stop = cut
-                group.texts[i] = text[:pos + len(stop)] if sp.include_stop_str_in_output else text[:pos]
+                group.texts[i] = text[: pos + len(stop)] if sp.include_stop_str_in_output else text[:pos]
                 group.finish[i] = "stop"
                 group.stop_reasons[i] = stop
                 self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
@@ -706,28 +779,50 @@ class EngineCore:
                 group.decoded[i] = True
                 if self.tokenizer is not None and not isinstance(group.stop_reasons[i], str):
                     ids = req.output_token_ids
-                    if (group.finish[i] == "stop" and not req.sampling.include_stop_str_in_output and ids
-                            and (ids[-1] in req.eos_token_ids or ids[-1] in req.sampling.stop_token_ids)):
+                    if (
+                        group.finish[i] == "stop"
+                        and not req.sampling.include_stop_str_in_output
+                        and ids
+                        and (ids[-1] in req.eos_token_ids or ids[-1] in req.sampling.stop_token_ids)
+                    ):
                         ids = ids[:-1]  # an EOS or stop token ended it: its text is not output
                     group.texts[i] = self.tokenizer.decode(ids, req.sampling.skip_special_tokens)
             text = group.texts[i]
-            outs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(req.output_token_ids), finish_reason=group.finish[i],
-                stop_reason=group.stop_reasons[i],
-                logprobs=group.logprobs[i] if group.params.logprobs is not None else None,
-                cumulative_logprob=group.cum_logprobs[i] if group.params.logprobs is not None else None))
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(req.output_token_ids),
+                    finish_reason=group.finish[i],
+                    stop_reason=group.stop_reasons[i],
+                    logprobs=group.logprobs[i] if group.params.logprobs is not None else None,
+                    cumulative_logprob=group.cum_logprobs[i] if group.params.logprobs is not None else None,
+                )
+            )
         head = group.seqs[0]
         cached = head.num_cached_tokens or 0
         by_tier = {"device": 0, **head.cached_by_tier} if head.cached_by_tier else {"device": cached}
-        metrics = RequestMetrics(group.arrival_time, head.first_scheduled_time, head.first_token_time,
-                                 max((r.finished_time or 0.0) for r in group.seqs) if group.finished else None)
+        metrics = RequestMetrics(
+            group.arrival_time,
+            head.first_scheduled_time,
+            head.first_token_time,
+            max((r.finished_time or 0.0) for r in group.seqs) if group.finished else None,
+        )
         return RequestOutput(
-            request_id=group.request_id, prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-            outputs=outs, finished=group.finished, metrics=metrics, num_cached_tokens=cached,
-            cached_tokens_by_tier=by_tier, num_recomputed_tokens=len(group.prompt_token_ids) - cached,
-            num_preemptions=group.num_preemptions, restore_decision=head.restore_decision,
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=group.finished,
+            metrics=metrics,
+            num_cached_tokens=cached,
+            cached_tokens_by_tier=by_tier,
+            num_recomputed_tokens=len(group.prompt_token_ids) - cached,
+            num_preemptions=group.num_preemptions,
+            restore_decision=head.restore_decision,
             restore_s=head.restore_s,
-            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None)
+            prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+        )
 
     def _finish_group(self, group: _Group) -> RequestOutput:
         out = self._output(group)

@@ -19,7 +19,8 @@ seen, so with stop strings the last `max(len(stop)) - 1` characters are held bac
 from __future__ import annotations
 
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 logger = logging.getLogger("kvtier.server")
 
@@ -46,11 +47,11 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or not new_token_ids:
             return ""
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
             return ""
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.token_ids)
         self.text += delta
@@ -61,9 +62,9 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or self.read_offset == len(self.token_ids):
             return ""
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
-        delta = full[len(prefix):]
+        prefix = decode(self.token_ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset :], self.skip_special_tokens)
+        delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += delta
         return delta
@@ -76,8 +77,7 @@ class StreamText:
     now; `finish(final_text)` returns the rest, given the engine's final text (which is the
     authority: stop strings are cut from it)."""
 
-    def __init__(self, tokenizer: _Decoder | None, skip_special_tokens: bool = True,
-                 stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: _Decoder | None, skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.sent = ""
@@ -90,15 +90,14 @@ class StreamText:
         ready = len(text) - self._hold
         if ready <= len(self.sent):
             return ""
-        delta = text[len(self.sent):ready]
+        delta = text[len(self.sent) : ready]
         self.sent += delta
         return delta
 
     def finish(self, final_text: str) -> str:
         if not final_text.startswith(self.sent):  # not expected: what was sent cannot be unsent
-            logger.warning("streamed text %r is not a prefix of the final text %r",
-                           self.sent[-40:], final_text[-40:])
+            logger.warning("streamed text %r is not a prefix of the final text %r", self.sent[-40:], final_text[-40:])
             return ""
-        delta = final_text[len(self.sent):]
+        delta = final_text[len(self.sent) :]
         self.sent = final_text
         return delta

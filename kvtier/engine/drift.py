@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.config import DriftConfig  # noqa: F401 - re-exported: the monitor's configuration
+from kvtier.config import DriftConfig
 
 if TYPE_CHECKING:
     from kvtier.model.runner import ModelRunner
@@ -52,6 +52,7 @@ _ROW_CHUNK = 64  # rows per float64 divergence pass (bounds memory for large voc
 
 
 # -- the math -------------------------------------------------------------------------------------
+
 
 def divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row KL(ref || test) in nats (float64, >= 0) and top-1 agreement (bool).
@@ -74,6 +75,7 @@ def divergence(ref_logits: torch.Tensor, test_logits: torch.Tensor) -> tuple[tor
 
 
 # -- configuration and stats ------------------------------------------------------------------------
+
 
 @dataclass
 class DriftStats:
@@ -126,6 +128,7 @@ class DriftStats:
 
 
 # -- the monitor ----------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -184,8 +187,11 @@ class DriftMonitor:
         if n == 0:
             self.stats.num_skipped += 1
             return
-        self._pending.append(_Pending(t.prompt_token_ids + list(output_token_ids[:n]),
-                                      len(t.prompt_token_ids), torch.stack(t.logprobs[:n])))
+        self._pending.append(
+            _Pending(
+                t.prompt_token_ids + list(output_token_ids[:n]), len(t.prompt_token_ids), torch.stack(t.logprobs[:n])
+            )
+        )
 
     @property
     def num_pending(self) -> int:
@@ -236,10 +242,16 @@ def shadow_logits(runner: ModelRunner, token_ids: list[int], rows: list[int]) ->
     arch, bs = runner.arch, runner.block_size
     num_blocks = -(-len(token_ids) // bs)
     # one layer's cache: [2, num_kv_heads, num_blocks, block_size, head_dim] (kvtier.model.attention)
-    scratch = torch.zeros((arch.num_layers, 2, arch.num_kv_heads, num_blocks, bs, arch.head_dim),
-                          dtype=runner.dtype, device=runner.device)
-    seq = ScheduledSeq(req_id="kv-drift-shadow", token_ids=list(token_ids), start_pos=0,
-                       block_ids=list(range(num_blocks)), sample=False)
+    scratch = torch.zeros(
+        (arch.num_layers, 2, arch.num_kv_heads, num_blocks, bs, arch.head_dim), dtype=runner.dtype, device=runner.device
+    )
+    seq = ScheduledSeq(
+        req_id="kv-drift-shadow",
+        token_ids=list(token_ids),
+        start_pos=0,
+        block_ids=list(range(num_blocks)),
+        sample=False,
+    )
     meta = runner.attn_backend.build_metadata([seq], bs, runner.device)
     input_ids = torch.tensor(token_ids, dtype=torch.long, device=runner.device)
     positions = torch.arange(len(token_ids), device=runner.device)

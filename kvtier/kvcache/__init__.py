@@ -7,7 +7,20 @@ from kvtier.kvcache.policy import LFUPolicy, LRUPolicy, make_policy
 from kvtier.kvcache.prefix_index import CachedBlock, PrefixIndex
 
 __all__ = [
-    "Block", "BlockPool", "NoFreeBlocksError", "BlockKey", "block_key", "chain_keys", "hash_id_key",
-    "root_key", "KVCacheManager", "PrefixMatch", "LFUPolicy", "LRUPolicy", "make_policy",
-    "CachedBlock", "PrefixIndex", "BlockCopy",
+    "Block",
+    "BlockCopy",
+    "BlockKey",
+    "BlockPool",
+    "CachedBlock",
+    "KVCacheManager",
+    "LFUPolicy",
+    "LRUPolicy",
+    "NoFreeBlocksError",
+    "PrefixIndex",
+    "PrefixMatch",
+    "block_key",
+    "chain_keys",
+    "hash_id_key",
+    "make_policy",
+    "root_key",
 ]

@@ -111,8 +111,15 @@ class BlockPool:
             self.free_block(block_id)
 
     # ------------------------------------------------------------------ caching
-    def cache_block(self, block_id: int, key: BlockKey, parent: BlockKey,
-                    tokens: list[int] | None, is_first: bool, owner: str | None = None) -> bool:
+    def cache_block(
+        self,
+        block_id: int,
+        key: BlockKey,
+        parent: BlockKey,
+        tokens: list[int] | None,
+        is_first: bool,
+        owner: str | None = None,
+    ) -> bool:
         """Register an in-use, full block under `key`. False if the key was cached already
         (the block then stays an ordinary uncached block) or the parent is gone."""
         block = self.blocks[block_id]
@@ -161,8 +168,9 @@ class BlockPool:
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
             node = self.index.get(block.key) if block.key is not None else None
             if block.key is not None:
-                assert node is not None and node.block_id == block.block_id, \
+                assert node is not None and node.block_id == block.block_id, (
                     f"block {block.block_id} and the index disagree"
+                )
                 assert node.in_use == (block.ref_cnt > 0), f"index thinks block {block.block_id} in_use={node.in_use}"
             if in_free:
                 assert block.ref_cnt == 0 and block.key is None, f"free block {block.block_id} is in use or cached"
@@ -177,8 +185,7 @@ class BlockPool:
                 assert not self.index.is_evictable(block.key), f"in-use block {block.block_id} is evictable"
             if expected_refs is not None:
                 want = expected_refs.get(block.block_id, 0)
-                assert block.ref_cnt == want, \
-                    f"block {block.block_id}: ref_cnt {block.ref_cnt}, live references {want}"
+                assert block.ref_cnt == want, f"block {block.block_id}: ref_cnt {block.ref_cnt}, live references {want}"
         if self.index is not None:
             assert num_cached_free == self.index.num_evictable, "evictable count mismatch"
             for node in self.index.nodes():

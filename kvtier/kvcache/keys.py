@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Sequence
+from collections.abc import Sequence
 
 KEY_BYTES = 16
 BlockKey = bytes
@@ -74,8 +74,9 @@ def hash_id_key(parent: BlockKey, hash_id: int) -> BlockKey:
     return _in_run(parent, h.digest())
 
 
-def chain_keys(parent: BlockKey, tokens: Sequence[int], block_size: int,
-               start_block: int = 0, num_blocks: int | None = None) -> list[BlockKey]:
+def chain_keys(
+    parent: BlockKey, tokens: Sequence[int], block_size: int, start_block: int = 0, num_blocks: int | None = None
+) -> list[BlockKey]:
     """Keys of full blocks start_block, start_block+1, ... of `tokens`.
 
     `parent` is the key of block start_block-1 (or the root key when start_block is 0).
@@ -84,6 +85,6 @@ def chain_keys(parent: BlockKey, tokens: Sequence[int], block_size: int,
     end = total if num_blocks is None else min(total, start_block + num_blocks)
     keys: list[BlockKey] = []
     for i in range(start_block, end):
-        parent = block_key(parent, tokens[i * block_size:(i + 1) * block_size])
+        parent = block_key(parent, tokens[i * block_size : (i + 1) * block_size])
         keys.append(parent)
     return keys

@@ -12,8 +12,8 @@ request's own new block (a `BlockCopy` the runner executes before the step's for
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from kvtier.kvcache.block_pool import BlockCopy, BlockPool
 from kvtier.kvcache.keys import BlockKey, block_key
@@ -64,8 +64,9 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, eviction_policy: str = "lru"
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -114,7 +115,7 @@ class KVCacheManager:
         parent = root
         get = self.index.get
         for i in range(limit // bs):
-            key = block_key(parent, tokens[i * bs:(i + 1) * bs])
+            key = block_key(parent, tokens[i * bs : (i + 1) * bs])
             node = get(key)
             if node is None:
                 break
@@ -122,7 +123,7 @@ class KVCacheManager:
             m.keys.append(key)
             parent = key
         start = len(m.block_ids) * bs
-        rest = tokens[start:min(limit, start + bs)]
+        rest = tokens[start : min(limit, start + bs)]
         hit = self.index.best_partial(parent, rest)
         if hit is not None and hit.num_tokens > 0:
             m.partial_src = hit.node.block_id
@@ -150,16 +151,26 @@ class KVCacheManager:
     def _check_fresh(self, match: PrefixMatch) -> None:
         blocks = self.pool.blocks
         stale = len(match.block_ids) != len(match.keys) or any(
-            blocks[b].key != k for b, k in zip(match.block_ids, match.keys))
+            blocks[b].key != k for b, k in zip(match.block_ids, match.keys)
+        )
         if match.partial_src is not None:
             src_key = blocks[match.partial_src].key
             stale = stale or src_key is None or (match.partial_key is not None and src_key != match.partial_key)
         if stale:
-            raise ValueError("stale PrefixMatch: a block it names was evicted since match(); "
-                             "call match() again right before allocate_new()")
+            raise ValueError(
+                "stale PrefixMatch: a block it names was evicted since match(); "
+                "call match() again right before allocate_new()"
+            )
 
-    def allocate_new(self, req_id: str, tokens: Sequence[int], root: BlockKey,
-                     match: PrefixMatch, num_new_tokens: int, owner: str | None = None) -> bool:
+    def allocate_new(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        root: BlockKey,
+        match: PrefixMatch,
+        num_new_tokens: int,
+        owner: str | None = None,
+    ) -> bool:
         """Admit a request: reference its cached prefix, lock a partial-copy source and take
         blocks for `num_new_tokens` more tokens. All or nothing; False if the pool is short."""
         assert req_id not in self._reqs, f"request {req_id} already holds blocks"
@@ -181,8 +192,7 @@ class KVCacheManager:
         state = _ReqBlocks(root, list(match.block_ids) + new, list(match.keys), len(match.keys), owner)
         self._reqs[req_id] = state
         if match.partial_src is not None:
-            self._pending.setdefault(req_id, []).append(
-                BlockCopy(match.partial_src, new[0], match.partial_tokens))
+            self._pending.setdefault(req_id, []).append(BlockCopy(match.partial_src, new[0], match.partial_tokens))
         s = self.stats
         s.queries_requests += 1
         s.queries_tokens += len(tokens)
@@ -216,7 +226,7 @@ class KVCacheManager:
         while len(keys) < num_full:
             i = len(keys)
             parent = keys[-1] if keys else state.root
-            keys.append(block_key(parent, tokens[i * bs:(i + 1) * bs]))
+            keys.append(block_key(parent, tokens[i * bs : (i + 1) * bs]))
         index = self.index
         start = min(state.num_registered, num_full)
         if start == num_full and (start == 0 or keys[start - 1] in index):
@@ -229,9 +239,17 @@ class KVCacheManager:
             key = keys[i]
             if key not in index:
                 parent = keys[i - 1] if i else state.root
-                if self.pool.cache_block(state.block_ids[i], key, parent,
-                                         tokens[i * bs:(i + 1) * bs], is_first=(i == 0), owner=state.owner) \
-                        and self.store_policy == "write_through":
+                if (
+                    self.pool.cache_block(
+                        state.block_ids[i],
+                        key,
+                        parent,
+                        tokens[i * bs : (i + 1) * bs],
+                        is_first=(i == 0),
+                        owner=state.owner,
+                    )
+                    and self.store_policy == "write_through"
+                ):
                     if key in self._restored_keys:
                         self._restored_keys.discard(key)  # it came from a tier: already there
                     else:
@@ -258,8 +276,7 @@ class KVCacheManager:
             dst = self.pool.allocate(1)[0]
             blocks.append(dst)
             self._pending.setdefault(child_id, []).append(BlockCopy(src, dst, rem))
-        self._reqs[child_id] = _ReqBlocks(p.root, blocks, list(p.keys[:full]), min(p.num_registered, full),
-                                          p.owner)
+        self._reqs[child_id] = _ReqBlocks(p.root, blocks, list(p.keys[:full]), min(p.num_registered, full), p.owner)
         return True
 
     def free(self, req_id: str) -> None:
@@ -290,8 +307,15 @@ class KVCacheManager:
         out, self._to_store = self._to_store, []
         return out
 
-    def allocate_restore(self, req_id: str, tokens: Sequence[int], root: BlockKey,
-                         match: PrefixMatch, restore_keys: list[BlockKey], owner: str | None = None) -> bool:
+    def allocate_restore(
+        self,
+        req_id: str,
+        tokens: Sequence[int],
+        root: BlockKey,
+        match: PrefixMatch,
+        restore_keys: list[BlockKey],
+        owner: str | None = None,
+    ) -> bool:
         """Admit a request whose next `len(restore_keys)` blocks will be loaded from a tier:
         reference its device prefix (full blocks only) and take blocks for the restore."""
         full = PrefixMatch(list(match.block_ids), list(match.keys))
@@ -305,7 +329,7 @@ class KVCacheManager:
         loads = [(state.block_ids[first + i], kv) for i, kv in enumerate(tensors)]
         if loads:
             self._loads[req_id] = loads
-            self._restored_keys.update(restore_keys[:len(tensors)])
+            self._restored_keys.update(restore_keys[: len(tensors)])
         return len(loads)
 
     def take_loads(self) -> list[tuple[str, int, object]]:
@@ -358,7 +382,11 @@ class KVCacheManager:
                     assert state.keys[i] == key, f"{req_id}: block {b} is cached under a key that is not its own"
                 else:  # a block shared by fork may be registered by the sharer that got further
                     node = self.index.get(key)
-                    prev = state.keys[i - 1] if 0 < i <= len(state.keys) else (
-                        blocks[state.block_ids[i - 1]].key if i else state.root)
-                    assert prev is None or node.parent == prev, \
+                    prev = (
+                        state.keys[i - 1]
+                        if 0 < i <= len(state.keys)
+                        else (blocks[state.block_ids[i - 1]].key if i else state.root)
+                    )
+                    assert prev is None or node.parent == prev, (
                         f"{req_id}: block {b} is cached under a key that is not its own"
+                    )

@@ -19,7 +19,8 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from kvtier.kvcache.keys import BlockKey
 

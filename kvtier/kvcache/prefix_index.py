@@ -20,8 +20,8 @@ then freed::
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.kvcache.policy import EvictionPolicy, make_policy
@@ -126,8 +126,15 @@ class PrefixIndex:
         return self._nodes[key].num_children == 0
 
     # ------------------------------------------------------------------ updates
-    def insert(self, key: BlockKey, parent: BlockKey, block_id: int,
-               tokens: Sequence[int] | None, is_first: bool, owner: str | None = None) -> CachedBlock | None:
+    def insert(
+        self,
+        key: BlockKey,
+        parent: BlockKey,
+        block_id: int,
+        tokens: Sequence[int] | None,
+        is_first: bool,
+        owner: str | None = None,
+    ) -> CachedBlock | None:
         """Cache the in-use block `block_id` under `key`. Returns None if the key is already
         cached (the caller keeps its block uncached) or if the parent is not cached (it would
         be unreachable)."""
@@ -139,8 +146,15 @@ class PrefixIndex:
             if parent_node is None:
                 return None
             parent_node.num_children += 1
-        node = CachedBlock(key, parent, block_id, tuple(tokens) if tokens is not None else None, is_first,
-                           owner=owner, created=time.monotonic())
+        node = CachedBlock(
+            key,
+            parent,
+            block_id,
+            tuple(tokens) if tokens is not None else None,
+            is_first,
+            owner=owner,
+            created=time.monotonic(),
+        )
         self._nodes[key] = node
         self._propagate_held(node, +1)
         first_tok = node.tokens[0] if node.tokens else None
@@ -244,8 +258,9 @@ class PrefixIndex:
             assert node.num_children == len(kids), f"child count of block {node.block_id} is wrong"
             num_held = sum(1 for c in kids if is_held(c))
             assert node.num_held_children == num_held, f"held-child count of block {node.block_id} is wrong"
-            assert (key in self.policy) == (not is_held(node)), \
+            assert (key in self.policy) == (not is_held(node)), (
                 f"block {node.block_id}: evictable is {key in self.policy}, held is {is_held(node)}"
+            )
         assert len(self.policy) == sum(1 for k in nodes if not held[k]), "policy holds a block the index does not"
         by_parent: dict[BlockKey, dict[int, set[BlockKey]]] = {}
         for key, node in nodes.items():

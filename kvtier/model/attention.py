@@ -202,11 +202,24 @@ def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
     table = torch.arange(num_blocks, dtype=torch.long)
     best = {CHUNK_DPBF16: float("inf"), CHUNK_FMA: float("inf")}
     for _ in range(repeats + 1):  # the first round pays one-time setup
-        for variant in best:
+        for variant in best:  # noqa: PLC0206 - best[variant] is written, not read
             t = time.perf_counter()
-            rc = lib.kvt_chunk_attention(q.data_ptr(), out.data_ptr(), pool.data_ptr(), table.data_ptr(), num_blocks,
-                                         start, n, num_heads, num_kv_heads, num_blocks, block_size, head_dim,
-                                         head_dim ** -0.5, variant)
+            rc = lib.kvt_chunk_attention(
+                q.data_ptr(),
+                out.data_ptr(),
+                pool.data_ptr(),
+                table.data_ptr(),
+                num_blocks,
+                start,
+                n,
+                num_heads,
+                num_kv_heads,
+                num_blocks,
+                block_size,
+                head_dim,
+                head_dim**-0.5,
+                variant,
+            )
             if rc != 0:
                 return CHUNK_DPBF16
             best[variant] = min(best[variant], time.perf_counter() - t)
@@ -214,8 +227,9 @@ def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
 
 
 @functools.cache
-def decode_rows_beat_chunk_kernel(num_heads: int, num_kv_heads: int, head_dim: int, variant: int,
-                                  repeats: int = 5) -> bool:
+def decode_rows_beat_chunk_kernel(
+    num_heads: int, num_kv_heads: int, head_dim: int, variant: int, repeats: int = 5
+) -> bool:
     """Whether a short chunk over a cached prefix (4 tokens over 1,024) runs faster as rows of the
     decode kernel (each KV head's rows in parallel) than as one chunk-kernel call (one tile per KV
     head: few tasks for few rows), timed here once per process and head shape (least of `repeats`,
@@ -230,22 +244,50 @@ def decode_rows_beat_chunk_kernel(num_heads: int, num_kv_heads: int, head_dim: i
     table = torch.arange(num_blocks, dtype=torch.long)
     tables = table.repeat(n, 1)
     lens = torch.arange(start + 1, start + n + 1, dtype=torch.long)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
 
     def chunk() -> int:
-        return lib.kvt_chunk_attention(q.data_ptr(), out.data_ptr(), pool.data_ptr(), table.data_ptr(), num_blocks,
-                                       start, n, num_heads, num_kv_heads, num_blocks, block_size, head_dim, scale,
-                                       variant)
+        return lib.kvt_chunk_attention(
+            q.data_ptr(),
+            out.data_ptr(),
+            pool.data_ptr(),
+            table.data_ptr(),
+            num_blocks,
+            start,
+            n,
+            num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            scale,
+            variant,
+        )
 
     def rows() -> int:
-        return lib.kvt_decode_attention(q.data_ptr(), native.FLOAT_KIND[torch.bfloat16], out.data_ptr(),
-                                        pool.data_ptr(), native.KV_STORAGE[torch.bfloat16], None, native.SCALE_BLOCK,
-                                        tables.data_ptr(), num_blocks, lens.data_ptr(), n, num_heads, num_kv_heads,
-                                        num_blocks, block_size, head_dim, scale)
+        return lib.kvt_decode_attention(
+            q.data_ptr(),
+            native.FLOAT_KIND[torch.bfloat16],
+            out.data_ptr(),
+            pool.data_ptr(),
+            native.KV_STORAGE[torch.bfloat16],
+            None,
+            native.SCALE_BLOCK,
+            tables.data_ptr(),
+            num_blocks,
+            lens.data_ptr(),
+            n,
+            num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            scale,
+        )
 
     best = {chunk: float("inf"), rows: float("inf")}
     for _ in range(repeats + 1):
-        for fn in best:
+        for fn in best:  # noqa: PLC0206 - best[fn] is written, not read
             t = time.perf_counter()
             if fn() != 0:
                 return False
@@ -274,8 +316,11 @@ class TorchPagedAttention(AttentionBackend):
 
     def bind_pool(self, kv_dtype: torch.dtype, dtype: torch.dtype, device: torch.device) -> None:
         # the chunk kernel (bfloat16) serves every chunk, the short ones faster than decode rows do
-        chunk_kernel = kv_dtype == dtype == torch.bfloat16 and self._native_paged(device) and (
-            native.chunk_attention_lib() is not None)
+        chunk_kernel = (
+            kv_dtype == dtype == torch.bfloat16
+            and self._native_paged(device)
+            and (native.chunk_attention_lib() is not None)
+        )
         self.native_chunk_max_tokens = 0 if chunk_kernel else NATIVE_CHUNK_MAX_TOKENS
         if chunk_kernel:
             self.chunk_variant = chunk_variant(self.num_heads, self.num_kv_heads, self.head_dim)
@@ -288,9 +333,7 @@ class TorchPagedAttention(AttentionBackend):
 
     # -- metadata ---------------------------------------------------------------------------
 
-    def build_metadata(
-        self, seqs: Sequence[ScheduledSeq], block_size: int, device: torch.device
-    ) -> AttentionMetadata:
+    def build_metadata(self, seqs: Sequence[ScheduledSeq], block_size: int, device: torch.device) -> AttentionMetadata:
         slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
@@ -472,9 +515,20 @@ class TorchPagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
         rc = lib.kvt_chunk_attention(
-            q.data_ptr(), out.data_ptr(), kv_cache.data_ptr(), p.block_ids.data_ptr(), p.block_ids.numel(),
-            p.start_pos, q.shape[0], self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
-            head_dim ** -0.5, self.chunk_variant,
+            q.data_ptr(),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            p.block_ids.data_ptr(),
+            p.block_ids.numel(),
+            p.start_pos,
+            q.shape[0],
+            self.num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            head_dim**-0.5,
+            self.chunk_variant,
         )
         if rc == native.BAD_INDEX:
             raise IndexError(f"chunk attention: a block id is outside the pool of {num_blocks} blocks")
@@ -488,8 +542,9 @@ class TorchPagedAttention(AttentionBackend):
         kernel, which a mask over the whole context would slow down (see docs/benchmarks.md)."""
         n = q.shape[0]
         group = self.num_queries_per_kv
-        out_a, lse_a = _FLASH_WITH_LSE(self._fold(q)[None], kv[0, :, :start][None], kv[1, :, :start][None], 0.0,
-                                       False)  # [1, Hkv, G * n, D], [1, Hkv, G * n]
+        out_a, lse_a = _FLASH_WITH_LSE(
+            self._fold(q)[None], kv[0, :, :start][None], kv[1, :, :start][None], 0.0, False
+        )  # [1, Hkv, G * n, D], [1, Hkv, G * n]
         k_new = kv[0, :, start:].repeat_interleave(group, 0)[None]  # [1, Hq, n, D]
         v_new = kv[1, :, start:].repeat_interleave(group, 0)[None]
         out_b, lse_b = _FLASH_WITH_LSE(q.transpose(0, 1)[None], k_new, v_new, 0.0, True)  # [1, Hq, n, D], [1, Hq, n]
@@ -542,11 +597,23 @@ class TorchPagedAttention(AttentionBackend):
         _two, num_kv_heads, num_blocks, block_size, head_dim = pool.shape
         per_token = isinstance(kv_cache, QuantizedKVCache) and kv_cache.kv_dtype.per_token
         rc = lib.kvt_decode_attention(
-            q.data_ptr(), native.FLOAT_KIND[q.dtype], out.data_ptr(), pool.data_ptr(), kind,
+            q.data_ptr(),
+            native.FLOAT_KIND[q.dtype],
+            out.data_ptr(),
+            pool.data_ptr(),
+            kind,
             scales.data_ptr() if scales is not None else None,
-            native.SCALE_TOKEN if per_token else native.SCALE_BLOCK, d.block_tables.data_ptr(), max_blocks,
-            d.seq_lens.data_ptr(), batch, self.num_heads, num_kv_heads, num_blocks, block_size, head_dim,
-            head_dim ** -0.5,
+            native.SCALE_TOKEN if per_token else native.SCALE_BLOCK,
+            d.block_tables.data_ptr(),
+            max_blocks,
+            d.seq_lens.data_ptr(),
+            batch,
+            self.num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            head_dim**-0.5,
         )
         if rc == native.BAD_INDEX:
             raise IndexError(f"decode attention: a block table or length is outside the pool of {num_blocks} blocks")

@@ -51,10 +51,17 @@ _PERMUTED_QK = ("llama", "mistral")
 """Architectures whose attn_q / attn_k llama.cpp's converter permuted for interleaved rope."""
 
 _LAYER_TENSORS = {  # blk.{i}.<gguf name> -> model.layers.{i}.<hf name>
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 _TOP_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -72,8 +79,9 @@ def _gguf_module():
     try:
         import gguf
     except ImportError:
-        raise ModelLoadError("reading a .gguf file needs the gguf package: pip install 'kvtier[gguf]' "
-                             "(or pip install gguf)") from None
+        raise ModelLoadError(
+            "reading a .gguf file needs the gguf package: pip install 'kvtier[gguf]' (or pip install gguf)"
+        ) from None
     return gguf
 
 
@@ -94,22 +102,27 @@ class GGUFCheckpoint:
         gguf = _gguf_module()
         try:
             self._reader = gguf.GGUFReader(str(self.path))
-        except Exception as exc:  # noqa: BLE001 - a truncated or foreign file
+        except Exception as exc:
             raise ModelLoadError(f"{str(self.path)!r} is not a readable GGUF file ({exc})") from exc
         self._meta: dict[str, Any] = {}
         for key, field in self._reader.fields.items():
-            if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in ("tokens", "merges", "token_type",
-                                                                                  "scores"):
+            if key.startswith("tokenizer.ggml.") and key.rsplit(".", 1)[1] in (
+                "tokens",
+                "merges",
+                "token_type",
+                "scores",
+            ):
                 continue  # big arrays: read on demand
             try:
                 self._meta[key] = field.contents()
-            except Exception:  # noqa: BLE001 - a field type this gguf version cannot render: unused
+            except Exception:  # noqa: BLE001, S112 - a field type this gguf version cannot render: unused
                 continue
         self.arch = str(self._meta.get("general.architecture", ""))
         if self.arch not in _ARCHITECTURES:
             raise ModelLoadError(
                 f"{str(self.path)!r}: GGUF architecture {self.arch!r} is not supported; kvtier serves "
-                f"{', '.join(sorted(_ARCHITECTURES))}")
+                f"{', '.join(sorted(_ARCHITECTURES))}"
+            )
         self._tensors = {t.name: t for t in self._reader.tensors}
 
     # -- config ------------------------------------------------------------------------------
@@ -120,8 +133,12 @@ class GGUFCheckpoint:
     def config(self) -> dict[str, Any]:
         """A config.json equivalent of the file's metadata."""
         model_type, architecture = _ARCHITECTURES[self.arch]
-        required = {"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
-                    "intermediate_size": "feed_forward_length", "num_attention_heads": "attention.head_count"}
+        required = {
+            "hidden_size": "embedding_length",
+            "num_hidden_layers": "block_count",
+            "intermediate_size": "feed_forward_length",
+            "num_attention_heads": "attention.head_count",
+        }
         cfg: dict[str, Any] = {"model_type": model_type, "architectures": [architecture]}
         for hf_key, key in required.items():
             value = self._arch_value(key)
@@ -189,31 +206,50 @@ class GGUFCheckpoint:
             raise ModelLoadError(
                 f"{str(self.path)!r}: GGUF tokenizer model {model!r} is not supported; kvtier builds byte-level "
                 f"BPE ('gpt2': Llama 3, Qwen2/3, SmolLM) tokenizers from GGUF metadata. Serve a Hugging Face "
-                f"directory of this model instead, or pass token ids")
+                f"directory of this model instead, or pass token ids"
+            )
         tokens = [str(t) for t in self._field_array("tokenizer.ggml.tokens")]
         merges = [tuple(str(m).split(" ", 1)) for m in self._field_array("tokenizer.ggml.merges")]
         alphabet = set(pre_tokenizers.ByteLevel.alphabet())
         spelling = _bytes_to_unicode()
-        vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                                   end_of_word_suffix="", fuse_unk=False))
+        vocab = {
+            (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+            for i, t in enumerate(tokens)
+        }
+        tok = Tokenizer(
+            models.BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        )
         split = _PRE_TOKENIZER_SPLITS.get(self._meta.get("tokenizer.ggml.pre"))
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
             from tokenizers import Regex
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
         tok.decoder = decoders.ByteLevel()
         types = [int(x) for x in self._field_array("tokenizer.ggml.token_type")]
-        control = [AddedToken(t, normalized=False, special=True) for t, kind in zip(tokens, types)
-                   if kind == 3 and set(t) <= alphabet]  # 3: CONTROL
+        control = [
+            AddedToken(t, normalized=False, special=True)
+            for t, kind in zip(tokens, types)
+            if kind == 3 and set(t) <= alphabet
+        ]  # 3: CONTROL
         if control:
             tok.add_special_tokens(control)
-        user = [AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types)
-                if kind == 4 and t in vocab]  # 4: USER_DEFINED
+        user = [
+            AddedToken(t, normalized=False, special=False) for t, kind in zip(tokens, types) if kind == 4 and t in vocab
+        ]  # 4: USER_DEFINED
         if user:
             tok.add_tokens(user)
 
@@ -223,13 +259,19 @@ class GGUFCheckpoint:
 
         if self._meta.get("tokenizer.ggml.add_bos_token") and token("bos_token_id") is not None:
             from tokenizers import processors
+
             bos = token("bos_token_id")
-            tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                                               special_tokens=[(bos, vocab[bos])])
-        config = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                  "pad_token": token("padding_token_id"), "unk_token": token("unknown_token_id"),
-                  "chat_template": self._meta.get("tokenizer.chat_template"),
-                  "add_bos_token": bool(self._meta.get("tokenizer.ggml.add_bos_token", False))}
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
+            )
+        config = {
+            "bos_token": token("bos_token_id"),
+            "eos_token": token("eos_token_id"),
+            "pad_token": token("padding_token_id"),
+            "unk_token": token("unknown_token_id"),
+            "chat_template": self._meta.get("tokenizer.chat_template"),
+            "add_bos_token": bool(self._meta.get("tokenizer.ggml.add_bos_token", False)),
+        }
         return tok, config
 
     # -- conversion --------------------------------------------------------------------------
@@ -315,14 +357,15 @@ def dequantize(type_name: str, data: np.ndarray, path: Any = "", name: str = "")
     if size is None:
         raise ModelLoadError(
             f"{str(path)!r}: tensor {name} is of GGUF type {type_name}, which kvtier does not dequantize "
-            f"(supported: {', '.join(SUPPORTED_TYPES)})")
+            f"(supported: {', '.join(SUPPORTED_TYPES)})"
+        )
     blocks = raw.reshape(-1).view(torch.uint8).reshape(-1, size)
     return _DEQUANT[type_name](blocks).reshape(-1)
 
 
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """[n, 1] float32 of the fp16 at byte `start` of each block."""
-    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -401,16 +444,25 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return d * q
 
 
-_DEQUANT = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+_DEQUANT = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
 
 
 # ---------------------------------------------------------------------------------- tokenizer
 @functools.cache
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map (the alphabet of byte-level BPE vocabularies)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = list(printable)
     n = 0
     for b in range(256):
@@ -430,8 +482,12 @@ _QWEN2_SPLIT = (
     r"|\s+(?!\S)|\s+"
 )
 _PRE_TOKENIZER_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
 }
 """How text is split before BPE, by `tokenizer.ggml.pre` (others: GPT-2's own split, as in
 transformers' GGUF tokenizer for them)."""

@@ -99,7 +99,7 @@ class ArchConfig:
         """From a Hugging Face directory's config.json (and generation_config.json), or from the
         metadata of a GGUF file (kvtier.model.gguf)."""
         model_dir = Path(model_dir)
-        from kvtier.model import gguf  # noqa: PLC0415 - gguf imports this module
+        from kvtier.model import gguf
 
         if gguf.is_gguf(model_dir):
             return cls.from_dict(gguf.open_checkpoint(str(model_dir)).config(), source=str(model_dir))
@@ -138,8 +138,7 @@ class ArchConfig:
         num_kv_heads = int(config.get("num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ModelLoadError(
-                f"{source}: num_attention_heads={num_heads} is not a multiple of "
-                f"num_key_value_heads={num_kv_heads}"
+                f"{source}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
             )
         head_dim = config.get("head_dim") or hidden_size // num_heads
         max_positions = int(config.get("max_position_embeddings", 2048))

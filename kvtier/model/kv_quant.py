@@ -56,8 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.model import native
-from kvtier.model.kv_names import KV_CACHE_DTYPES  # noqa: F401  (re-exported: the names, torch-free)
-
+from kvtier.model.kv_names import KV_CACHE_DTYPES
 
 MIN_SCALE = 1e-30
 """Floor of a dynamic scale: an all-zero block must not divide by zero."""
@@ -138,7 +137,7 @@ def hadamard(dim: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < size:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    h = h / size ** 0.5
+    h = h / size**0.5
     return torch.block_diag(*([h] * (dim // size)))
 
 
@@ -222,8 +221,15 @@ class WritePlan:
 
 
 def _requantize_blocks(
-    data: torch.Tensor, scales: torch.Tensor, kv: torch.Tensor, plan_blocks: torch.Tensor,
-    keep: torch.Tensor, token_block: torch.Tensor, token_offset: torch.Tensor, qmax: float, rounded: bool,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    kv: torch.Tensor,
+    plan_blocks: torch.Tensor,
+    keep: torch.Tensor,
+    token_block: torch.Tensor,
+    token_offset: torch.Tensor,
+    qmax: float,
+    rounded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The touched blocks rewritten with the new tokens: (data [2, Hkv, U, bs, D] in the storage
     dtype, scales [2, Hkv, U]). Branch-free (no host sync); an unchanged scale requantizes earlier
@@ -249,10 +255,16 @@ class QuantizedKVCache:
     they are available: one call per layer instead of dozens of small torch ops, the same bytes.
     """
 
-    __slots__ = ("data", "scales", "kv_dtype", "static_scales", "rotation", "_native_storage")
+    __slots__ = ("_native_storage", "data", "kv_dtype", "rotation", "scales", "static_scales")
 
-    def __init__(self, data: torch.Tensor, scales: torch.Tensor | None, kv_dtype: KVDtype,
-                 static_scales: tuple[float, float] | None = None, rotation: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        kv_dtype: KVDtype,
+        static_scales: tuple[float, float] | None = None,
+        rotation: torch.Tensor | None = None,
+    ) -> None:
         self.data = data
         self.scales = scales
         self.kv_dtype = kv_dtype
@@ -264,8 +276,12 @@ class QuantizedKVCache:
         q @ R and rotates its output by R (q . k = (q R) . (k R), sum p v = (sum p v R) R)."""
         self._native_storage = (
             native.KV_STORAGE.get(data.dtype)
-            if scales is not None and data.dtype in native.SCALED_STORAGE and data.device.type == "cpu"
-            and data.is_contiguous() and scales.is_contiguous() and not kv_dtype.per_token
+            if scales is not None
+            and data.dtype in native.SCALED_STORAGE
+            and data.device.type == "cpu"
+            and data.is_contiguous()
+            and scales.is_contiguous()
+            and not kv_dtype.per_token
             else None
         )
 
@@ -273,8 +289,13 @@ class QuantizedKVCache:
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-              plan: WritePlan | Callable[[], WritePlan] | None = None) -> None:
+    def write(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        plan: WritePlan | Callable[[], WritePlan] | None = None,
+    ) -> None:
         """Store k, v [T, Hkv, D] at `slot_mapping` [T]. Dynamic scales: tokens that fit their
         block's scale are stored as they are, blocks that must grow are rewritten whole (see
         WritePlan), so every token of a block shares the block's scale. `plan`: the step's
@@ -283,7 +304,7 @@ class QuantizedKVCache:
             k, v = rotate(k, self.rotation), rotate(v, self.rotation)
         if self._native_storage is not None and self._write_native(k, v, slot_mapping):
             return
-        two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
+        _two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
         flat = _raw(self.data).view(2, num_kv_heads, num_blocks * block_size, head_dim)
         kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, T, D]
         if self.kv_dtype.per_token:  # each token its own scale: quantized once, never rewritten
@@ -322,8 +343,14 @@ class QuantizedKVCache:
         sub_index = torch.cumsum(rewrite, 0) - 1  # plan block index -> rewrite index
         blocks = plan.blocks.index_select(0, sub)
         data, scales = _requantize_blocks(
-            self.data, self.scales, kv[:, :, in_rewrite], blocks, plan.keep.index_select(0, sub),
-            sub_index[plan.token_block[in_rewrite]], plan.token_offset[in_rewrite], self.kv_dtype.qmax,
+            self.data,
+            self.scales,
+            kv[:, :, in_rewrite],
+            blocks,
+            plan.keep.index_select(0, sub),
+            sub_index[plan.token_block[in_rewrite]],
+            plan.token_offset[in_rewrite],
+            self.kv_dtype.qmax,
             self.kv_dtype.storage == torch.int8,
         )
         _raw(self.data).index_copy_(2, blocks, _raw(data))
@@ -355,9 +382,18 @@ class QuantizedKVCache:
         block_ids = block_ids.contiguous()
         _two, heads, num_blocks, block_size, dim = self.data.shape
         out = torch.empty((2, heads, block_ids.numel(), block_size, dim), dtype=out_dtype)
-        rc = lib.kvt_gather(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size * dim,
-                            self._native_storage, block_ids.data_ptr(), block_ids.numel(),
-                            native.FLOAT_KIND[out_dtype], out.data_ptr())
+        rc = lib.kvt_gather(
+            self.data.data_ptr(),
+            self.scales.data_ptr(),
+            heads,
+            num_blocks,
+            block_size * dim,
+            self._native_storage,
+            block_ids.data_ptr(),
+            block_ids.numel(),
+            native.FLOAT_KIND[out_dtype],
+            out.data_ptr(),
+        )
         if rc == native.BAD_INDEX:
             raise IndexError(f"KV gather: a block id is outside 0 .. {num_blocks - 1}")
         return out if rc == 0 else None
@@ -365,16 +401,35 @@ class QuantizedKVCache:
     def _write_native(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
         """True when the native kernel stored the tokens; False: use the torch ops."""
         lib = native.kv_quant_lib()
-        if (lib is None or k.dtype != v.dtype or k.dtype not in native.FLOAT_KIND or slot_mapping.dtype != torch.long
-                or k.device.type != "cpu" or v.device.type != "cpu"):
+        if (
+            lib is None
+            or k.dtype != v.dtype
+            or k.dtype not in native.FLOAT_KIND
+            or slot_mapping.dtype != torch.long
+            or k.device.type != "cpu"
+            or v.device.type != "cpu"
+        ):
             return False
         _two, heads, num_blocks, block_size, dim = self.data.shape
         k, v = _rows_contiguous(k), _rows_contiguous(v)
         slot_mapping = slot_mapping.contiguous()
-        rc = lib.kvt_write(self.data.data_ptr(), self.scales.data_ptr(), heads, num_blocks, block_size, dim,
-                           self._native_storage, int(self.static_scales is not None),
-                           k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), native.FLOAT_KIND[k.dtype],
-                           slot_mapping.data_ptr(), slot_mapping.numel())
+        rc = lib.kvt_write(
+            self.data.data_ptr(),
+            self.scales.data_ptr(),
+            heads,
+            num_blocks,
+            block_size,
+            dim,
+            self._native_storage,
+            int(self.static_scales is not None),
+            k.data_ptr(),
+            k.stride(0),
+            v.data_ptr(),
+            v.stride(0),
+            native.FLOAT_KIND[k.dtype],
+            slot_mapping.data_ptr(),
+            slot_mapping.numel(),
+        )
         if rc == native.BAD_INDEX:
             raise IndexError(f"KV write: a slot is outside 0 .. {num_blocks * block_size - 1}")
         return rc == 0

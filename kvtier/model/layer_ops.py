@@ -18,8 +18,9 @@ def _lib(*tensors: torch.Tensor):
     return native.layer_ops_lib()
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor | None:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor | None:
     """RMSNorm of `x` [rows, hidden] (rows with unit column stride), or of `residual + x` when a
     residual is given, which then becomes that sum in place. Returns the normed rows."""
     lib = _lib(x, weight) if residual is None or residual.dtype == torch.bfloat16 else None
@@ -29,8 +30,16 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape):
         return None
     out = torch.empty((rows, hidden), dtype=torch.bfloat16)
-    rc = lib.kvt_add_rms_norm_bf16(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
-                                   weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
+    rc = lib.kvt_add_rms_norm_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows,
+        hidden,
+        eps,
+    )
     return out if rc == 0 else None
 
 
@@ -38,8 +47,14 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate x [tokens, heads, dim] (heads contiguous within a token's row) in place by cos, sin
     [tokens, 1, dim / 2] (contiguous), as kvtier.model.llama.apply_rope; False if not done."""
     lib = _lib(x, cos, sin)
-    if (lib is None or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]
-            or not cos.is_contiguous() or not sin.is_contiguous()):
+    if (
+        lib is None
+        or x.dim() != 3
+        or x.stride(2) != 1
+        or x.stride(1) != x.shape[2]
+        or not cos.is_contiguous()
+        or not sin.is_contiguous()
+    ):
         return False
     tokens, heads, dim = x.shape
     return lib.kvt_rope_bf16(x.data_ptr(), tokens, heads, dim, x.stride(0), cos.data_ptr(), sin.data_ptr()) == 0

@@ -153,19 +153,37 @@ def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.to(x.dtype)
 
 
-def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  variant: int) -> torch.Tensor | None:
+def linear_native(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, variant: int
+) -> torch.Tensor | None:
     """kvt_linear_bf16 (csrc/gemm.c) on 2-D bf16 x with unit column stride; None where it does not
     apply (no kernel here, another dtype or layout, K % 32 or N % 4 not 0)."""
     lib = native.linear_lib()
-    if (lib is None or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2
-            or x.stride(1) != 1 or not weight.is_contiguous() or x.device.type != "cpu"):
+    if (
+        lib is None
+        or x.dtype != torch.bfloat16
+        or weight.dtype != torch.bfloat16
+        or x.dim() != 2
+        or x.stride(1) != 1
+        or not weight.is_contiguous()
+        or x.device.type != "cpu"
+    ):
         return None
     rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty((rows, n), dtype=torch.bfloat16)
-    rc = lib.kvt_linear_bf16(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k,
-                             bias.data_ptr() if bias is not None else None, out.data_ptr(), n, variant)
+    rc = lib.kvt_linear_bf16(
+        x.data_ptr(),
+        rows,
+        x.stride(0),
+        weight.data_ptr(),
+        n,
+        k,
+        bias.data_ptr() if bias is not None else None,
+        out.data_ptr(),
+        n,
+        variant,
+    )
     return out if rc == 0 else None
 
 
@@ -205,8 +223,14 @@ def available_methods(*, packed: bool) -> list[str]:
     return methods + [FP32]
 
 
-def measure_plan(in_features: int, out_features: int, methods: list[str], *, repeats: int = 5,
-                 clock: Callable[[], float] = time.perf_counter) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
+def measure_plan(
+    in_features: int,
+    out_features: int,
+    methods: list[str],
+    *,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
     """Time `methods` (the baseline first) on a [out_features, in_features] bf16 projection at each
     of CANDIDATE_ROWS; returns the plan (`choose_plan`) and the least seconds of the repeats per method and size. Repeats are
     interleaved, so a burst of load hits every method alike, and the minimum is what the method
@@ -214,8 +238,15 @@ def measure_plan(in_features: int, out_features: int, methods: list[str], *, rep
     timings: dict[int, dict[str, float]] = {}
     gen = torch.Generator().manual_seed(0)
     for rows in CANDIDATE_ROWS:
-        n = min(out_features, max(CALIBRATION_MIN_COLUMNS, min(int(CALIBRATION_FLOP_BUDGET / (2 * rows * in_features)),
-                                                               CALIBRATION_WEIGHT_ELEMENTS // in_features)))
+        n = min(
+            out_features,
+            max(
+                CALIBRATION_MIN_COLUMNS,
+                min(
+                    int(CALIBRATION_FLOP_BUDGET / (2 * rows * in_features)), CALIBRATION_WEIGHT_ELEMENTS // in_features
+                ),
+            ),
+        )
         n -= n % 4
         layer = Linear(in_features, n, bias=False, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -263,22 +294,29 @@ def plan_for(linears: list[Linear], dtype: torch.dtype, device: torch.device, *,
     plan = plan_override()
     if plan is not None:
         if ONEDNN in plan.methods and not packed:
-            raise ValueError(f"{PLAN_ENV}={plan.describe()}: onednn needs packed weights (pack_weights=True "
-                             f"and a oneDNN that packs bfloat16 here)")
+            raise ValueError(
+                f"{PLAN_ENV}={plan.describe()}: onednn needs packed weights (pack_weights=True "
+                f"and a oneDNN that packs bfloat16 here)"
+            )
         return plan
     biggest = max(linears, key=lambda m: m.in_features * m.out_features)
     plan, timings = _measure_cached(biggest.in_features, biggest.out_features, tuple(available_methods(packed=packed)))
-    logger.info("bfloat16 projections: GEMM plan %s (least ms per GEMM by rows: %s)", plan.describe(),
-                {r: {m: round(s * 1e3, 3) for m, s in t.items()} for r, t in timings.items()})
+    logger.info(
+        "bfloat16 projections: GEMM plan %s (least ms per GEMM by rows: %s)",
+        plan.describe(),
+        {r: {m: round(s * 1e3, 3) for m, s in t.items()} for r, t in timings.items()},
+    )
     if plan.method(1) == FP32:
-        logger.warning("bfloat16 matmuls on this CPU are slower than float32 even for single rows "
-                       "(no fast bf16 dot products): --dtype float32 will likely run faster")
+        logger.warning(
+            "bfloat16 matmuls on this CPU are slower than float32 even for single rows "
+            "(no fast bf16 dot products): --dtype float32 will likely run faster"
+        )
     return plan
 
 
 @functools.cache
-def _measure_cached(in_features: int, out_features: int,
-                    methods: tuple[str, ...]) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
+def _measure_cached(
+    in_features: int, out_features: int, methods: tuple[str, ...]
+) -> tuple[GemmPlan, dict[int, dict[str, float]]]:
     """One measurement per projection shape and process (tests build many runners of one model)."""
     return measure_plan(in_features, out_features, list(methods))
-

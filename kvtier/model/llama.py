@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model import layer_ops
+from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.linear import ONEDNN, GemmPlan, Linear, plan_for
 
@@ -61,8 +61,13 @@ class RotaryEmbedding:
         if scaling is not None and scaling.rope_type == "linear":
             inv_freq = inv_freq / scaling.factor
         elif scaling is not None and scaling.rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling.factor, scaling.low_freq_factor,
-                                        scaling.high_freq_factor, scaling.original_max_position_embeddings)
+            inv_freq = _llama3_inv_freq(
+                inv_freq,
+                scaling.factor,
+                scaling.low_freq_factor,
+                scaling.high_freq_factor,
+                scaling.original_max_position_embeddings,
+            )
         self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,7 +116,8 @@ class Attention(nn.Module):
         # norm call covers q and k.  [Hq + Hkv, D]
         self.qk_norm = (
             RMSNorm((arch.num_heads + arch.num_kv_heads, arch.head_dim), arch.rms_norm_eps, dtype)
-            if arch.qk_norm else None
+            if arch.qk_norm
+            else None
         )
         self.backend = backend
 

@@ -112,7 +112,9 @@ def load_model(
     return model.eval()
 
 
-def _checkpoint_tensors(model_dir: str | Path, dtype: torch.dtype) -> tuple[set[str], Iterator[tuple[str, torch.Tensor]]]:
+def _checkpoint_tensors(
+    model_dir: str | Path, dtype: torch.dtype
+) -> tuple[set[str], Iterator[tuple[str, torch.Tensor]]]:
     """(the checkpoint's tensor names, an iterator of (name, tensor) read one at a time)."""
     if gguf.is_gguf(model_dir):
         ckpt = gguf.open_checkpoint(str(model_dir))

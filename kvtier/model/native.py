@@ -62,8 +62,7 @@ _SIGNATURES = {
         "kvt_gather": ([_ptr, _ptr, _i64, _i64, _i64, _int, _ptr, _i64, _int, _ptr], _int),
         # data, scales, heads, num_blocks, block_size, dim, storage, static, k, k_stride, v, v_stride,
         # in_kind, slots, num_tokens
-        "kvt_write": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int, _ptr, _i64, _ptr, _i64, _int, _ptr, _i64],
-                      _int),
+        "kvt_write": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _int, _int, _ptr, _i64, _ptr, _i64, _int, _ptr, _i64], _int),
         # pool, scales (or NULL), scale bytes per row and block, rows, num_blocks, row_bytes, ids,
         # packed (void*[n]), n, into_pool
         "kvt_move_blocks": ([_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
@@ -73,13 +72,17 @@ _SIGNATURES = {
         "kvt_has_chunk_attention": ([], _int),
         # q, out, pool, block_table, table_len, start, num_tokens, num_heads, num_kv_heads, num_blocks,
         # block_size, dim, sm_scale, variant (CHUNK_DPBF16 / CHUNK_FMA)
-        "kvt_chunk_attention": ([_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
-                                _int),
+        "kvt_chunk_attention": (
+            [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
+            _int,
+        ),
         # q, q_kind, out, pool, kv_kind, scales (or NULL), scale_mode (SCALE_BLOCK / SCALE_TOKEN),
         # block_tables, max_blocks, seq_lens, batch, num_heads, num_kv_heads, num_blocks, block_size, dim,
         # sm_scale
-        "kvt_decode_attention": ([_ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64,
-                                  _i64, _i64, _i64, _f32], _int),
+        "kvt_decode_attention": (
+            [_ptr, _int, _ptr, _ptr, _int, _ptr, _int, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32],
+            _int,
+        ),
     },
     "layer_ops": {
         "kvt_has_layer_ops": ([], _int),
@@ -218,7 +221,7 @@ def _build(source: Path) -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     key = hashlib.sha256()
     headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
@@ -233,8 +236,13 @@ def _build(source: Path) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         try:
-            proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True,
-                                  text=True, timeout=BUILD_TIMEOUT_S)
+            proc = subprocess.run(
+                [compiler, *FLAGS, str(source), "-o", tmp, "-lm"],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+                check=False,
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
             os.chmod(tmp, 0o700)
@@ -294,8 +302,10 @@ def _cache_dir() -> Path:
     if not stat.S_ISDIR(st.st_mode):
         raise RuntimeError(f"the native build folder {folder} is not a directory (a link?); refusing it")
     if st.st_uid != os.getuid():
-        raise RuntimeError(f"the native build folder {folder} belongs to uid {st.st_uid}, not "
-                           f"{os.getuid()}; refusing it (set KVTIER_CACHE_DIR to a folder of your own)")
+        raise RuntimeError(
+            f"the native build folder {folder} belongs to uid {st.st_uid}, not "
+            f"{os.getuid()}; refusing it (set KVTIER_CACHE_DIR to a folder of your own)"
+        )
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(folder, 0o700)
     if not os.access(folder, os.W_OK):

@@ -99,7 +99,8 @@ class ModelRunner:
         if self.arch.sliding_window is not None and self.arch.sliding_window < self.arch.max_position_embeddings:
             logger.warning(
                 "%s: sliding_window=%d is ignored; contexts longer than it will differ from the reference model",
-                self.model_dir, self.arch.sliding_window,
+                self.model_dir,
+                self.arch.sliding_window,
             )
 
         self.attn_backend = attn_backend or TorchPagedAttention(
@@ -116,13 +117,15 @@ class ModelRunner:
         arch = self.arch
         num_kv_rows = 2 * arch.num_layers * arch.num_kv_heads
         self.kv_data_bytes_per_block = num_kv_rows * block_size * arch.head_dim * self.kv_spec.elem_bytes
-        self.kv_scale_bytes_per_row = (0 if not self.kv_spec.quantized else
-                                       block_size * 2 if self.kv_spec.per_token else 4)
+        self.kv_scale_bytes_per_row = (
+            0 if not self.kv_spec.quantized else block_size * 2 if self.kv_spec.per_token else 4
+        )
         """Scale bytes per (layer, K/V, KV head) of a block."""
         self.kv_scale_bytes_per_block = num_kv_rows * self.kv_scale_bytes_per_row
         self.kv_bytes_per_block = self.kv_data_bytes_per_block + self.kv_scale_bytes_per_block
         self.kv_bytes_per_token: int | float = (
-            self.kv_bytes_per_block // block_size if self.kv_bytes_per_block % block_size == 0
+            self.kv_bytes_per_block // block_size
+            if self.kv_bytes_per_block % block_size == 0
             else self.kv_bytes_per_block / block_size
         )
         self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for(kv_cache_bytes, memory_fraction)
@@ -135,12 +138,18 @@ class ModelRunner:
         )
         self.attn_backend.bind_pool(self.kv_dtype, self.dtype, self.device)
         self.kv_scales: torch.Tensor | None = None
-        self.static_kv_scales = (read_kv_scales(self.model_dir, arch.num_layers)
-                                 if self.kv_spec.quantized and not self.kv_spec.per_token else None)
+        self.static_kv_scales = (
+            read_kv_scales(self.model_dir, arch.num_layers)
+            if self.kv_spec.quantized and not self.kv_spec.per_token
+            else None
+        )
         if self.kv_spec.quantized:
             per_token = (self.block_size,) if self.kv_spec.per_token else ()
-            self.kv_scales = torch.zeros((arch.num_layers, 2, arch.num_kv_heads, self.num_blocks, *per_token),
-                                         dtype=self.kv_spec.scale_dtype, device=self.device)
+            self.kv_scales = torch.zeros(
+                (arch.num_layers, 2, arch.num_kv_heads, self.num_blocks, *per_token),
+                dtype=self.kv_spec.scale_dtype,
+                device=self.device,
+            )
             if self.static_kv_scales is not None:
                 self._fill_static_scales(self.static_kv_scales)
         self.kv_caches: list[KVCache] = self._layer_caches()
@@ -160,8 +169,9 @@ class ModelRunner:
         logits, _ = self.execute_rows(out, None, all_rows)
         return logits
 
-    def execute_rows(self, out: SchedulerOutput, rows: list[int] | None,
-                     all_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute_rows(
+        self, out: SchedulerOutput, rows: list[int] | None, all_rows: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`execute`, plus the logits of the scheduled tokens at `rows` (indices into the
         step's tokens, seqs in order) computed apart: prompt logprobs, without changing how
         the sampled rows are computed."""
@@ -195,8 +205,9 @@ class ModelRunner:
         if self.kv_scales is None:
             return data
         scales = self.kv_scales.index_select(3, index).movedim(3, 0).contiguous()
-        return torch.cat((data.view(torch.uint8).view(len(block_ids), -1),
-                          scales.view(torch.uint8).view(len(block_ids), -1)), dim=1)
+        return torch.cat(
+            (data.view(torch.uint8).view(len(block_ids), -1), scales.view(torch.uint8).view(len(block_ids), -1)), dim=1
+        )
 
     @torch.no_grad()
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
@@ -290,15 +301,22 @@ class ModelRunner:
         """Room for one block as `read_block` returns it."""
         if self.kv_scales is None:
             arch = self.arch
-            return torch.empty((arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
-                               dtype=self.kv_dtype, device=self.device)
+            return torch.empty(
+                (arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                dtype=self.kv_dtype,
+                device=self.device,
+            )
         return torch.empty(self.kv_bytes_per_block, dtype=torch.uint8, device=self.device)
 
     def _is_packed_block(self, kv: torch.Tensor) -> bool:
         """kv is exactly what `read_block` returns here (dtype, size, contiguous, device)."""
         want = torch.uint8 if self.kv_scales is not None else self.kv_dtype
-        return (kv.dtype == want and kv.device == self.device and kv.is_contiguous()
-                and kv.numel() * kv.element_size() == self.kv_bytes_per_block)
+        return (
+            kv.dtype == want
+            and kv.device == self.device
+            and kv.is_contiguous()
+            and kv.numel() * kv.element_size() == self.kv_bytes_per_block
+        )
 
     def _move_blocks_native(self, block_ids: Sequence[int], packed: Sequence[torch.Tensor], into_pool: bool) -> bool:
         """Whole blocks between the pool and `packed` (one kvt_move_blocks call); False when the
@@ -310,10 +328,15 @@ class ModelRunner:
         ids = long_tensor(list(block_ids), self.device)
         pointers = (ctypes.c_void_p * len(packed))(*[t.data_ptr() for t in packed])
         rc = lib.kvt_move_blocks(
-            self.kv_pool.data_ptr(), self.kv_scales.data_ptr() if self.kv_scales is not None else None,
+            self.kv_pool.data_ptr(),
+            self.kv_scales.data_ptr() if self.kv_scales is not None else None,
             self.kv_scale_bytes_per_row,
-            arch.num_layers * 2 * arch.num_kv_heads, self.num_blocks,
-            self.block_size * arch.head_dim * self.kv_spec.elem_bytes, ids.data_ptr(), pointers, len(packed),
+            arch.num_layers * 2 * arch.num_kv_heads,
+            self.num_blocks,
+            self.block_size * arch.head_dim * self.kv_spec.elem_bytes,
+            ids.data_ptr(),
+            pointers,
+            len(packed),
             int(into_pool),
         )
         if rc != 0:
@@ -335,13 +358,17 @@ class ModelRunner:
             packed = packed.reshape(-1)
             data = packed[: self.kv_data_bytes_per_block].view(self.kv_dtype)
             scales = packed[self.kv_data_bytes_per_block :].view(self.kv_spec.scale_dtype)
-            return (data.view(arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
-                    scales.view(arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims))
+            return (
+                data.view(arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+                scales.view(arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims),
+            )
         packed = packed.view(rows, self.kv_bytes_per_block)
         data = packed[:, : self.kv_data_bytes_per_block].contiguous().view(self.kv_dtype)
         scales = packed[:, self.kv_data_bytes_per_block :].contiguous().view(self.kv_spec.scale_dtype)
-        return (data.view(rows, arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
-                scales.view(rows, arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims))
+        return (
+            data.view(rows, arch.num_layers, 2, arch.num_kv_heads, self.block_size, arch.head_dim),
+            scales.view(rows, arch.num_layers, 2, arch.num_kv_heads, *self._per_token_dims),
+        )
 
     @property
     def _per_token_dims(self) -> tuple[int, ...]:
@@ -359,9 +386,7 @@ class ModelRunner:
             if self.kv_scales is not None:  # the copied tokens keep their scale; new ones grow it
                 self.kv_scales[:, :, :, c.dst_block] = self.kv_scales[:, :, :, c.src_block]
 
-    def _prepare_inputs(
-        self, seqs: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _prepare_inputs(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """input_ids [T], positions [T], rows of the sampled tokens [S] (None if none)."""
         input_ids: list[int] = []
         positions: list[int] = []

@@ -93,13 +93,19 @@ def process_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         keep[ids] = logits[ids]
         logits = keep
     if sp.bad_words_token_ids:
-        banned = [w[-1] for w in sp.bad_words_token_ids
-                  if len(w) == 1 or (len(out_ids) >= len(w) - 1 and out_ids[len(out_ids) - len(w) + 1:] == w[:-1])]
+        banned = [
+            w[-1]
+            for w in sp.bad_words_token_ids
+            if len(w) == 1 or (len(out_ids) >= len(w) - 1 and out_ids[len(out_ids) - len(w) + 1 :] == w[:-1])
+        ]
         if banned:
             logits[banned] = float("-inf")
     if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
-        counts = (torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
-                  if out_ids else torch.zeros(vocab, dtype=torch.long))
+        counts = (
+            torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=vocab)[:vocab]
+            if out_ids
+            else torch.zeros(vocab, dtype=torch.long)
+        )
         if sp.repetition_penalty != 1.0:
             seen = counts > 0
             if row.prompt_ids:
@@ -161,8 +167,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
     if not rows:
         return []
     out: list[Sample | None] = [None] * len(rows)
-    processed = {i: process_row(logits[r.row], r) for i, r in enumerate(rows)
-                 if r.processed and not r.grammar_only}
+    processed = {i: process_row(logits[r.row], r) for i, r in enumerate(rows) if r.processed and not r.grammar_only}
     masked = [i for i, r in enumerate(rows) if r.grammar_only]
     if masked:  # the grammar's masks of all such rows in one op (a new tensor: logits stay as they are)
         idx = torch.tensor([rows[i].row for i in masked], device=logits.device)

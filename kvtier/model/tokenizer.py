@@ -11,9 +11,10 @@ import functools
 import json
 import math
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 class TokenizerError(ValueError):
@@ -48,7 +49,8 @@ class Tokenizer:
             if not path.is_file():
                 raise TokenizerError(
                     f"no tokenizer.json in {model_dir}; pass token ids instead of text, or add the "
-                    "model's fast tokenizer file (tokenizer.json)")
+                    "model's fast tokenizer file (tokenizer.json)"
+                )
             self._tok = _HFTokenizer.from_file(str(path))
             cfg_path = model_dir / "tokenizer_config.json"
             cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
@@ -67,9 +69,7 @@ class Tokenizer:
         eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
         if eos_id is not None:
             self.eos_token_ids = (eos_id,)
-        self.all_special_ids = {
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
-        }
+        self.all_special_ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
 
     @property
     def vocab_size(self) -> int:
@@ -90,8 +90,10 @@ class Tokenizer:
             m = _SURROGATE.search(text)
             if m is None:
                 raise
-            raise TokenizerError(f"the text has a lone UTF-16 surrogate (U+{ord(m.group()):04X} "
-                                 f"at character {m.start()}); it is not Unicode text") from None
+            raise TokenizerError(
+                f"the text has a lone UTF-16 surrogate (U+{ord(m.group()):04X} "
+                f"at character {m.start()}); it is not Unicode text"
+            ) from None
 
     @functools.cached_property
     def max_chars_per_token(self) -> int | None:
@@ -106,8 +108,11 @@ class Tokenizer:
         WordLevel, unk-fusing BPE or Unigram without byte fallback)."""
         spec = json.loads(self._tok.to_str())
         shrink = _normalizer_shrink(spec.get("normalizer"))
-        if shrink is None or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer")) \
-                or not _model_has_no_swallowing_unk(spec.get("model") or {}):
+        if (
+            shrink is None
+            or not _pre_tokenizer_keeps_text(spec.get("pre_tokenizer"))
+            or not _model_has_no_swallowing_unk(spec.get("model") or {})
+        ):
             return None
         longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
         return math.ceil(longest * shrink)
@@ -130,21 +135,32 @@ class Tokenizer:
             raise TokenizerError(f"the chat template does not compile: {e}") from None
         self.chat_template, self._compiled = template, compiled
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, *, chat_template: str | None = None,
-                            continue_final_message: bool = False, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **kwargs: Any,
+    ) -> str:
         """The conversation rendered by the model's chat template (or `chat_template`, a Jinja
         string given with the request). `continue_final_message` ends the text inside the
         last message (an assistant turn to be continued), as transformers does: rendered
         without a generation prompt and cut after that message's content."""
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
-            raise TokenizerError("this model has no chat template (tokenizer_config.json has no "
-                                 "'chat_template'); use generate() with a plain prompt")
+            raise TokenizerError(
+                "this model has no chat template (tokenizer_config.json has no "
+                "'chat_template'); use generate() with a plain prompt"
+            )
         if continue_final_message and add_generation_prompt:
-            raise TokenizerError("continue_final_message and add_generation_prompt cannot both be "
-                                 "true: a conversation either continues the last message or "
-                                 "starts a new turn")
+            raise TokenizerError(
+                "continue_final_message and add_generation_prompt cannot both be "
+                "true: a conversation either continues the last message or "
+                "starts a new turn"
+            )
         validate_messages(messages)
         if chat_template is None:
             if self._compiled is None:
@@ -153,21 +169,29 @@ class Tokenizer:
         else:
             compiled = _jinja_env().from_string(chat_template)
         text = compiled.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final.strip():
                 raise TokenizerError("continue_final_message needs a last message with text content")
             for part in (final, final.strip()):
                 if part in text:
-                    return text[:text.rindex(part) + len(part)]
-            raise TokenizerError("continue_final_message: the chat template does not render the "
-                                 "last message's content verbatim, so it cannot be continued")
+                    return text[: text.rindex(part) + len(part)]
+            raise TokenizerError(
+                "continue_final_message: the chat template does not render the "
+                "last message's content verbatim, so it cannot be continued"
+            )
         return text
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False)
 
@@ -239,10 +263,10 @@ def _jinja_env():
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.filters["tojson"] = tojson
@@ -260,7 +284,8 @@ BYTE_CHAT_TEMPLATE = (
 def build_byte_tokenizer(out_dir: str | Path) -> int:
     """Write a byte-level tokenizer (256 byte tokens + <s>, </s>, <pad>, role markers) with a
     chat template into out_dir; returns its vocabulary size. Needs only `tokenizers`."""
-    from tokenizers import Tokenizer as _HFTokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
     out_dir = Path(out_dir)
@@ -273,12 +298,21 @@ def build_byte_tokenizer(out_dir: str | Path) -> int:
     specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
     tok.add_special_tokens(specials)
     bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
     tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "chat_template": BYTE_CHAT_TEMPLATE, "model_max_length": 8192,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "chat_template": BYTE_CHAT_TEMPLATE,
+                "model_max_length": 8192,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            },
+            indent=2,
+        )
+    )
     return tok.get_vocab_size(with_added_tokens=True)

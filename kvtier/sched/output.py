@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.kvcache.block_pool import BlockCopy  # noqa: F401 - part of this contract; made by the cache layer
+from kvtier.kvcache.block_pool import BlockCopy
 
 
 @dataclass(slots=True)

@@ -7,7 +7,8 @@ Contract: `ordered()` lists waiting requests, most deserving first; `remove` tak
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from kvtier.sched.request import Request
 

@@ -23,17 +23,16 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(slots=True, eq=False)
 class Request:
     """Token ranges::
 
-        all_token_ids:  [ prompt ............ ][ output ...... ]
-                        |<-- num_computed_tokens -->|            KV in the pool
-                                                    |<- todo ->| computed by coming steps
+    all_token_ids:  [ prompt ............ ][ output ...... ]
+                    |<-- num_computed_tokens -->|            KV in the pool
+                                                |<- todo ->| computed by coming steps
     """
 
     req_id: str

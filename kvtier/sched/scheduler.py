@@ -88,7 +88,8 @@ class Scheduler:
         if cdiv(max_total, self.kv.block_size) > self.kv.num_blocks:
             raise ValueError(
                 f"request needs up to {max_total} tokens of KV but the device pool holds "
-                f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the pool")
+                f"{self.kv.num_blocks * self.kv.block_size}; lower max_tokens or enlarge the pool"
+            )
         req.arrival_seq = self._arrivals
         self._arrivals += 1
         self.requests[req.req_id] = req
@@ -102,8 +103,7 @@ class Scheduler:
         child.num_cached_tokens = parent.num_cached_tokens
         # A parent that finished this step (max_tokens=1, a stop token) has freed its KV: the
         # child then waits like a new request (its prompt is a prefix hit) or ends at once.
-        if not parent.status.finished and self.kv.fork(parent.req_id, child.req_id,
-                                                        parent.num_computed_tokens):
+        if not parent.status.finished and self.kv.fork(parent.req_id, child.req_id, parent.num_computed_tokens):
             child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             child.first_scheduled_time = parent.first_scheduled_time
@@ -274,8 +274,9 @@ class Scheduler:
         first = not req.tier_queried
         req.tier_queried = True
         runs = self.tiers.runs(keys[:num_full], d, remote, count=first)
-        decision = self.tiers.cost.decide(d * bs, runs, len(tokens),
-                                          restore_all=self.tiers.config.restore_policy == "always")
+        decision = self.tiers.cost.decide(
+            d * bs, runs, len(tokens), restore_all=self.tiers.config.restore_policy == "always"
+        )
         if first:
             self.restore_decisions[decision.kind] += 1
         if req.restore_decision is None:
@@ -283,7 +284,7 @@ class Scheduler:
         if decision.num_blocks == 0:
             return False
         k = decision.num_blocks
-        restore_keys = keys[d:d + k]
+        restore_keys = keys[d : d + k]
         if not self.kv.allocate_restore(req.req_id, tokens, req.root_key, match, restore_keys, req.tenant):
             return False
         req.load_future = self.tiers.submit_load(restore_keys, take_runs(runs, k), owner=req.tenant)
@@ -309,8 +310,12 @@ class Scheduler:
                 req.restore_s += result.seconds + result.queue_s
             except Exception:  # a broken load is a miss: recompute, and say so
                 self.num_failed_loads += 1
-                logger.warning("request %s: restoring %d blocks from the tiers failed; they are recomputed",
-                               req.req_id, len(req.restore_keys or ()), exc_info=True)
+                logger.warning(
+                    "request %s: restoring %d blocks from the tiers failed; they are recomputed",
+                    req.req_id,
+                    len(req.restore_keys or ()),
+                    exc_info=True,
+                )
                 tensors, per_tier = [], {}
             n = self.kv.finish_restore(req.req_id, req.restore_keys, tensors)
             req.num_computed_tokens += n * bs
@@ -327,15 +332,14 @@ class Scheduler:
     def pending_futures(self) -> list[Any]:
         """Background work the scheduler is waiting for (loads, remote lookups)."""
         out = [r.load_future for r in self.loading]
-        out += [r.remote_lookup for r in self.waiting if r.remote_lookup is not None
-                and not r.remote_lookup.done()]
+        out += [r.remote_lookup for r in self.waiting if r.remote_lookup is not None and not r.remote_lookup.done()]
         return out
 
     def _seq(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
         return ScheduledSeq(
             req_id=req.req_id,
-            token_ids=req.all_token_ids[start:start + n],
+            token_ids=req.all_token_ids[start : start + n],
             start_pos=start,
             block_ids=self.kv.block_ids(req.req_id),
             sample=start + n == req.num_tokens,

@@ -18,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -31,11 +32,15 @@ from starlette.responses import JSONResponse, Response
 
 from kvtier.server.async_engine import AsyncEngine
 from kvtier.server.metrics import ServerMetrics
-from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                    parse_json_object, validation_error)
+from kvtier.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_json_object,
+    validation_error,
+)
 from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits, valid_request_id
-from kvtier.server.tenancy import (AdminAuth, SingleTenantResolver, Tenant, TenantResolver,
-                                   api_key_from_header)
+from kvtier.server.tenancy import AdminAuth, SingleTenantResolver, Tenant, TenantResolver, api_key_from_header
 
 logger = logging.getLogger("kvtier.server")
 
@@ -54,7 +59,7 @@ class ServerConfig:
     """More ids clients may pass as `model` (vLLM's --served-model-name with several names)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Larger request bodies get a 413."""
-    limits: RequestLimits = RequestLimits()
+    limits: RequestLimits = field(default_factory=RequestLimits)
     """Prompts and sequences one request may ask for (--max-prompts/seqs-per-request)."""
     ttl_sweep_interval_s: float = 10.0
     """How often tenants' TTLs are enforced in every tier (and pending purges retried)."""
@@ -81,15 +86,17 @@ class ServerConfig:
 
 def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], list[tuple[str, Any, Any]]]:
     """The TTLs and host/disk quotas the tenants file sets: ([(tenant, ttl_s)], [(tenant, host, disk)])."""
-    tenants = getattr(resolver, "tenants", lambda: [])()
+    tenants = getattr(resolver, "tenants", list)()
     ttls = [(t.name, t.ttl_s) for t in tenants if t.ttl_s is not None]
-    quotas = [(t.name, t.host_bytes, t.disk_bytes) for t in tenants
-              if t.host_bytes is not None or t.disk_bytes is not None]
+    quotas = [
+        (t.name, t.host_bytes, t.disk_bytes) for t in tenants if t.host_bytes is not None or t.disk_bytes is not None
+    ]
     return ttls, quotas
 
 
-def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
-              tenants: TenantResolver | None = None, request_log: Any = None) -> FastAPI:
+def build_app(
+    engine: Any, tokenizer: Any, config: ServerConfig, tenants: TenantResolver | None = None, request_log: Any = None
+) -> FastAPI:
     """An app serving `engine`: an EngineCore (owned by the app's engine thread from startup
     until shutdown; the caller closes it afterwards), or a started EngineClient (the engine in
     its own process, kvtier.server.engine_proc; it got the tenants' TTLs and quotas when it
@@ -107,10 +114,17 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     else:
         async_engine = engine
         engine.on_finished = on_finished
-    serving = OpenAIServing(async_engine, tokenizer, config.served_model_name, async_engine.max_model_len,
-                            request_log=request_log, limits=config.limits,
-                            model_aliases=config.model_aliases, on_added=metrics.note_request,
-                            sampling_defaults=dict(config.sampling_defaults))
+    serving = OpenAIServing(
+        async_engine,
+        tokenizer,
+        config.served_model_name,
+        async_engine.max_model_len,
+        request_log=request_log,
+        limits=config.limits,
+        model_aliases=config.model_aliases,
+        on_added=metrics.note_request,
+        sampling_defaults=dict(config.sampling_defaults),
+    )
     if config.tool_call_parser:
         from kvtier.server.tools import make_parser
 
@@ -133,7 +147,7 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
             await asyncio.sleep(config.ttl_sweep_interval_s)
             try:  # the tier part and pending-purge retries run off the engine thread
                 await async_engine.sweep()
-            except Exception:  # noqa: BLE001 - keep sweeping; the engine reports its own death
+            except Exception:
                 logger.exception("TTL sweep failed")
 
     @asynccontextmanager
@@ -155,8 +169,13 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     if config.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"], expose_headers=["X-Request-Id"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
 
     app.add_middleware(_EchoRequestId)
 
@@ -164,21 +183,25 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         try:
             return resolver.resolve(api_key_from_header(request.headers.get("authorization")))
         except PermissionError as e:
-            raise APIError(str(e) or "invalid API key", 401, type="authentication_error",
-                           code="invalid_api_key") from None
+            raise APIError(
+                str(e) or "invalid API key", 401, type="authentication_error", code="invalid_api_key"
+            ) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        req = await read_json(request, config.max_body_bytes, precheck=serving.precheck_completion,
-                              then=lambda body: _validate(CompletionRequest, body))
+        req = await read_json(
+            request,
+            config.max_body_bytes,
+            precheck=serving.precheck_completion,
+            then=lambda body: _validate(CompletionRequest, body),
+        )
         return await serving.completions(req, tenant, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        req = await read_json(request, config.max_body_bytes,
-                              then=lambda body: _validate(ChatCompletionRequest, body))
+        req = await read_json(request, config.max_body_bytes, then=lambda body: _validate(ChatCompletionRequest, body))
         return await serving.chat(req, tenant, request)
 
     def authorize(request: Request, mode: str) -> None:
@@ -191,10 +214,20 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         authorize(request, config.models_auth)
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "kvtier",
-            "root": config.served_model_name, "max_model_len": async_engine.max_model_len}
-            for name in (config.served_model_name, *config.model_aliases)]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "kvtier",
+                    "root": config.served_model_name,
+                    "max_model_len": async_engine.max_model_len,
+                }
+                for name in (config.served_model_name, *config.model_aliases)
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -211,9 +244,17 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request) -> Response:
         if not config.enable_tokenizer_info:
-            return JSONResponse(status_code=404, content={"error": {
-                "message": "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint",
-                "type": "NotFoundError", "param": None, "code": 404}})
+            return JSONResponse(
+                status_code=404,
+                content={
+                    "error": {
+                        "message": "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint",
+                        "type": "NotFoundError",
+                        "param": None,
+                        "code": 404,
+                    }
+                },
+            )
         tenant_of(request)
         return JSONResponse(serving.tokenizer_info())
 
@@ -241,8 +282,12 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         key = api_key_from_header(request.headers.get("authorization"))
         if not admin.is_admin(key):
             status, message = admin.refusal(key)
-            raise APIError(message, status, type="authentication_error" if status == 401 else "permission_error",
-                           code="invalid_api_key" if status == 401 else "forbidden")
+            raise APIError(
+                message,
+                status,
+                type="authentication_error" if status == 401 else "permission_error",
+                code="invalid_api_key" if status == 401 else "forbidden",
+            )
 
     def cache_target(request: Request, destructive: bool) -> str:
         """The tenant a /v1/cache call acts on: the caller's, or with an admin key any named one.
@@ -251,14 +296,16 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         named = request.query_params.get("tenant")
         if admin.is_admin_key(key):
             if named is None and admin.multi_tenant:
-                raise APIError("the admin key acts on a named tenant: add ?tenant=NAME (or ?all=true)",
-                               400, code="missing_tenant")
+                raise APIError(
+                    "the admin key acts on a named tenant: add ?tenant=NAME (or ?all=true)", 400, code="missing_tenant"
+                )
             return named if named is not None else resolver.resolve(None).name
         tenant = tenant_of(request)
         if named is not None and named != tenant.name:
             if not tenant.admin:
-                raise APIError("only an admin key may name another tenant", 403, type="permission_error",
-                               code="forbidden")
+                raise APIError(
+                    "only an admin key may name another tenant", 403, type="permission_error", code="forbidden"
+                )
             return named
         if destructive and not admin.multi_tenant:
             require_admin(request)
@@ -269,19 +316,29 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
         whose part is pending: recorded, the tenant fenced off, completed when they answer."""
         pending = counts.pop("pending", [])
         aborted = counts.pop("aborted_requests", 0)
-        body: dict[str, Any] = {"object": "cache.purge", "tenant": tenant, "deleted_blocks": counts,
-                                "aborted_requests": aborted, "complete": not pending, "pending": pending}
+        body: dict[str, Any] = {
+            "object": "cache.purge",
+            "tenant": tenant,
+            "deleted_blocks": counts,
+            "aborted_requests": aborted,
+            "complete": not pending,
+            "pending": pending,
+        }
         if tenant is None:
             body["data_keys_destroyed"] = counts.pop("keys_destroyed", 0)
         else:
             body["data_key_destroyed"] = bool(counts.pop("key_destroyed", 0))
         if not pending:
             return JSONResponse(body)
-        err = APIError(f"the purge is not complete: {', '.join(pending)} could not be reached, so "
-                       "those entries are not deleted yet. The purge is recorded and finishes when "
-                       "the tier answers (each DELETE /v1/cache and the sweeper retry it); until "
-                       "then this server neither reads nor writes the tenant's entries there.",
-                       503, type="server_error", code="purge_incomplete")
+        err = APIError(
+            f"the purge is not complete: {', '.join(pending)} could not be reached, so "
+            "those entries are not deleted yet. The purge is recorded and finishes when "
+            "the tier answers (each DELETE /v1/cache and the sweeper retry it); until "
+            "then this server neither reads nor writes the tenant's entries there.",
+            503,
+            type="server_error",
+            code="purge_incomplete",
+        )
         return JSONResponse({**err.body(), **body}, 503)
 
     @app.delete("/v1/cache")
@@ -320,8 +377,12 @@ def build_app(engine: Any, tokenizer: Any, config: ServerConfig,
 _INLINE_BODY_BYTES = 64 << 10
 
 
-async def read_json(request: Request, max_bytes: int, then: Callable[[dict[str, Any]], Any] | None = None,
-                    precheck: Callable[[dict[str, Any]], Any] | None = None) -> Any:
+async def read_json(
+    request: Request,
+    max_bytes: int,
+    then: Callable[[dict[str, Any]], Any] | None = None,
+    precheck: Callable[[dict[str, Any]], Any] | None = None,
+) -> Any:
     """The request body as a JSON object (`parse_json_object`'s checks, `precheck` first), or
     `then(body)` of it;
     413 past `max_bytes` (the rest is read and dropped, up to a bound, so the client sees the
@@ -342,8 +403,9 @@ async def read_json(request: Request, max_bytes: int, then: Callable[[dict[str, 
         else:
             body += chunk
     if too_big:
-        raise APIError(f"the request body is larger than {max_bytes} bytes (--max-body-bytes)",
-                       413, code="request_too_large")
+        raise APIError(
+            f"the request body is larger than {max_bytes} bytes (--max-body-bytes)", 413, code="request_too_large"
+        )
 
     def parse() -> Any:
         obj = parse_json_object(bytes(body), precheck)
@@ -400,8 +462,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> Response:
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), e.status_code, type=kind).body(), e.status_code,
-                            headers=getattr(e, "headers", None))
+        return JSONResponse(
+            APIError(str(e.detail), e.status_code, type=kind).body(), e.status_code, headers=getattr(e, "headers", None)
+        )
 
     @app.exception_handler(ClientDisconnect)
     @app.exception_handler(ClientGone)
@@ -414,19 +477,28 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(APIError("internal server error", 500, type="server_error").body(), 500)
 
 
-def run_server(engine: Any, tokenizer: Any, config: ServerConfig, log_level: str = "info",
-               tenants: TenantResolver | None = None, request_log: Any = None) -> int:
+def run_server(
+    engine: Any,
+    tokenizer: Any,
+    config: ServerConfig,
+    log_level: str = "info",
+    tenants: TenantResolver | None = None,
+    request_log: Any = None,
+) -> int:
     """Serve until interrupted (uvicorn). `engine`: an EngineCore (an engine thread in this
     process) or a started EngineClient (its own process; when it dies the server shuts down).
     Returns the exit status: 1 when the engine died."""
     import uvicorn
 
     app = build_app(engine, tokenizer, config, tenants=tenants, request_log=request_log)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+    )
     if getattr(engine, "is_engine_process", False):
+
         def engine_died() -> None:  # uvicorn's graceful shutdown: the open streams were failed
             server.should_exit = True
+
         engine.on_dead = engine_died
     server.run()
     return 1 if getattr(engine, "error", None) is not None else 0

@@ -24,8 +24,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -149,8 +150,13 @@ def drop_revoked(core: Any) -> list[RequestOutput]:
 def integrity_report(core: Any) -> dict[str, Any]:
     """The engine's invariant checks (AssertionError when one fails) and its pool's state."""
     core.check_integrity()
-    return {"ok": True, "kv_cache_usage_perc": core.kv.usage, "num_free_blocks": core.kv.num_free_blocks,
-            "num_blocks": core.kv.num_blocks, "num_unfinished": core.num_unfinished}
+    return {
+        "ok": True,
+        "kv_cache_usage_perc": core.kv.usage,
+        "num_free_blocks": core.kv.num_free_blocks,
+        "num_blocks": core.kv.num_blocks,
+        "num_unfinished": core.num_unfinished,
+    }
 
 
 class AsyncEngine:
@@ -226,6 +232,7 @@ class AsyncEngine:
         (their streams end with finish_reason "abort"), then nothing of it that existed before
         is readable or hittable in any tier once this returns, except what `pending` names
         (the remote tier was unreachable; the purge is recorded and completed later)."""
+
         def begin(core: Any) -> tuple[dict[str, Any], Any]:
             outs, counts, future = begin_purge(core, tenant, every_tenant)
             self._dispatch(outs)
@@ -254,6 +261,7 @@ class AsyncEngine:
         out = {"device": await self.run_soon(lambda core: core.device_usage(tenant))}
         tiers = getattr(self.engine, "tiers", None)
         if tiers is not None:
+
             def tier_usage() -> dict[str, Any]:
                 tiers.flush(5.0)  # count what the requests answered so far have stored
                 return tiers.owner_usage(tenant)
@@ -289,8 +297,9 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.error!r})" if self.error
-                                  else "the engine is not running")
+            raise EngineDeadError(
+                f"the engine is not running ({self.error!r})" if self.error else "the engine is not running"
+            )
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -299,7 +308,7 @@ class AsyncEngine:
         try:
             threads.bind_compute_threads()  # this thread's OpenMP team on the compute CPUs
             self._serve()
-        except BaseException as e:  # noqa: BLE001 - reported to every waiter
+        except BaseException as e:
             logger.exception("the engine thread died")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
@@ -327,7 +336,7 @@ class AsyncEngine:
             if engine.has_unfinished:
                 try:
                     outputs = engine.step()
-                except Exception as e:  # noqa: BLE001 - a bug; keep serving the next requests
+                except Exception as e:
                     logger.exception("engine step failed; aborting the requests in flight")
                     self._fail_all(EngineStepError(f"the engine failed: {e!r}"))
                     continue
@@ -357,10 +366,17 @@ class AsyncEngine:
             added: list[str] = []
             try:
                 for spec in cmd.specs:
-                    added.append(engine.add_request(
-                        spec.prompt_token_ids, spec.params, request_id=spec.request_id,
-                        cache_salt=spec.cache_salt, priority=spec.priority, prompt=spec.prompt,
-                        tenant=spec.tenant))
+                    added.append(
+                        engine.add_request(
+                            spec.prompt_token_ids,
+                            spec.params,
+                            request_id=spec.request_id,
+                            cache_salt=spec.cache_salt,
+                            priority=spec.priority,
+                            prompt=spec.prompt,
+                            tenant=spec.tenant,
+                        )
+                    )
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
                 for rid in added:
                     engine.abort_request(rid)
@@ -403,7 +419,7 @@ class AsyncEngine:
                 if self.on_finished is not None:
                     try:
                         self.on_finished(out, live.itl_s)
-                    except Exception:  # noqa: BLE001 - metrics must not stop the engine
+                    except Exception:
                         logger.exception("on_finished hook failed")
         self._call(_deliver, batch)
 
@@ -413,7 +429,7 @@ class AsyncEngine:
         for rid, live in list(self._live.items()):
             try:
                 self.engine.abort_request(rid)
-            except Exception:  # noqa: BLE001 - already failing; keep going
+            except Exception:
                 logger.exception("abort of %s failed", rid)
             batch.append((live.stream, error))
         self._live.clear()

@@ -42,13 +42,21 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
-from kvtier.server.async_engine import (EngineDeadError, EngineStepError, RequestSpec, RequestStream, begin_purge,
-                                        drop_revoked, integrity_report)
+from kvtier.server.async_engine import (
+    EngineDeadError,
+    EngineStepError,
+    RequestSpec,
+    RequestStream,
+    begin_purge,
+    drop_revoked,
+    integrity_report,
+)
 
 logger = logging.getLogger("kvtier.server")
 
@@ -68,13 +76,31 @@ def _encode_output(out: RequestOutput, sent: list[int]) -> list[Any]:
         new_ids = c.token_ids[k:]
         new_lp = _plain(c.logprobs[k:]) if c.logprobs is not None else None
         sent[c.index] = len(c.token_ids)
-        seqs.append([c.index, new_ids, new_lp, c.finish_reason, c.stop_reason,
-                     c.text if c.finish_reason is not None else None, c.cumulative_logprob])
+        seqs.append(
+            [
+                c.index,
+                new_ids,
+                new_lp,
+                c.finish_reason,
+                c.stop_reason,
+                c.text if c.finish_reason is not None else None,
+                c.cumulative_logprob,
+            ]
+        )
     m = out.metrics
-    return [out.request_id, out.finished, seqs, out.num_cached_tokens, out.cached_tokens_by_tier,
-            [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time],
-            out.num_recomputed_tokens, out.num_preemptions, out.restore_decision, out.restore_s,
-            _plain(out.prompt_logprobs) if out.finished and out.prompt_logprobs is not None else None]
+    return [
+        out.request_id,
+        out.finished,
+        seqs,
+        out.num_cached_tokens,
+        out.cached_tokens_by_tier,
+        [m.arrival_time, m.first_scheduled_time, m.first_token_time, m.finished_time],
+        out.num_recomputed_tokens,
+        out.num_preemptions,
+        out.restore_decision,
+        out.restore_s,
+        _plain(out.prompt_logprobs) if out.finished and out.prompt_logprobs is not None else None,
+    ]
 
 
 def _plain(entries: list[dict[int, float] | None]) -> list[dict[int, float] | None]:
@@ -117,18 +143,35 @@ class _ClientLive:
             s.finish_reason, s.stop_reason, s.cumulative_logprob = finish, stop_reason, cum
             if text is not None:
                 s.text = text
-        outs = [CompletionOutput(index=i, text=s.text, token_ids=list(s.token_ids), finish_reason=s.finish_reason,
-                                 stop_reason=s.stop_reason,
-                                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                                 cumulative_logprob=s.cumulative_logprob)
-                for i, s in sorted(self.seqs.items())]
+        outs = [
+            CompletionOutput(
+                index=i,
+                text=s.text,
+                token_ids=list(s.token_ids),
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob,
+            )
+            for i, s in sorted(self.seqs.items())
+        ]
         return RequestOutput(
-            request_id=rid, prompt=self.spec.prompt, prompt_token_ids=self.spec.prompt_token_ids, outputs=outs,
-            finished=finished, metrics=RequestMetrics(*times), num_cached_tokens=cached,
-            cached_tokens_by_tier=dict(by_tier), num_recomputed_tokens=recomputed, num_preemptions=preempt,
-            restore_decision=decision, restore_s=restore_s,
-            prompt_logprobs=None if prompt_lp is None else [
-                None if d is None else {int(k): v for k, v in d.items()} for d in prompt_lp])
+            request_id=rid,
+            prompt=self.spec.prompt,
+            prompt_token_ids=self.spec.prompt_token_ids,
+            outputs=outs,
+            finished=finished,
+            metrics=RequestMetrics(*times),
+            num_cached_tokens=cached,
+            cached_tokens_by_tier=dict(by_tier),
+            num_recomputed_tokens=recomputed,
+            num_preemptions=preempt,
+            restore_decision=decision,
+            restore_s=restore_s,
+            prompt_logprobs=None
+            if prompt_lp is None
+            else [None if d is None else {int(k): v for k, v in d.items()} for d in prompt_lp],
+        )
 
 
 # ---------------------------------------------------------------------------------- engine side
@@ -173,7 +216,7 @@ class _EngineLoop:
             if core.has_unfinished:
                 try:
                     outputs = core.step()
-                except Exception as e:  # noqa: BLE001 - a bug: fail the requests in flight, keep serving
+                except Exception as e:
                     logger.exception("engine step failed; aborting the requests in flight")
                     rids = list(self._sent)
                     for rid in rids:
@@ -232,8 +275,17 @@ class _EngineLoop:
                     tiers.refresh_key(tenant)
                 self._apply_revocations()
             for rid, ids, params, salt, priority, prompt, tenant in specs:
-                added.append(core.add_request(ids, SamplingParams(**params), request_id=rid, cache_salt=salt,
-                                              priority=priority, prompt=prompt, tenant=tenant))
+                added.append(
+                    core.add_request(
+                        ids,
+                        SamplingParams(**params),
+                        request_id=rid,
+                        cache_salt=salt,
+                        priority=priority,
+                        prompt=prompt,
+                        tenant=tenant,
+                    )
+                )
         except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
             for rid in added:
                 core.abort_request(rid)
@@ -243,8 +295,9 @@ class _EngineLoop:
             self._sent[rid] = []
         self.send(["reply", call_id, True, None])
 
-    def _reply_when(self, call_id: int, future: Future | None, value: Any,
-                    combine: Callable[[Any, Any], Any] = lambda v, r: v) -> None:
+    def _reply_when(
+        self, call_id: int, future: Future | None, value: Any, combine: Callable[[Any, Any], Any] = lambda v, r: v
+    ) -> None:
         """Reply `combine(value, future.result())` once `future` is done (now without one)."""
         if future is None:
             self.send(["reply", call_id, True, value])
@@ -275,9 +328,11 @@ class _EngineLoop:
                 if tiers is None:
                     self._reply_when(call_id, None, out)
                 else:
+
                     def tier_usage() -> dict[str, Any]:
                         tiers.flush(5.0)
                         return tiers.owner_usage(arg)
+
                     self._reply_when(call_id, tiers.submit_admin(tier_usage), out, lambda o, r: {**o, **r})
             elif op == "sweep":
                 _, future = core.begin_sweep_expired()
@@ -288,6 +343,7 @@ class _EngineLoop:
                 self._reply_when(call_id, None, integrity_report(core))
             elif op == "metrics":
                 from kvtier.server.metrics import EngineCollector
+
                 self._reply_when(call_id, None, pickle.dumps(list(EngineCollector(core).collect())))
             else:
                 raise ValueError(f"unknown engine call {op!r}")
@@ -299,8 +355,10 @@ def engine_main() -> int:
     """The engine process (`python -m kvtier.server.engine_proc`): settings as one JSON line on
     stdin, which stays open until the server goes."""
     settings = json.loads(sys.stdin.readline())
-    logging.basicConfig(level=settings.get("log_level", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    logging.basicConfig(
+        level=settings.get("log_level", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s",
+    )
     import zmq
 
     ctx = zmq.Context()
@@ -329,15 +387,25 @@ def engine_main() -> int:
             core.set_tenant_ttl(tenant, ttl)
         for tenant, host_bytes, disk_bytes in settings.get("tenant_quotas", []):
             core.set_tenant_quota(tenant, host_bytes, disk_bytes)
-    except BaseException as e:  # noqa: BLE001 - reported to the server, which exits with it
+    except BaseException as e:
         logger.exception("the engine could not start")
         push.send(enc.encode(["fatal", f"{type(e).__name__}: {e}"]))
         push.close(linger=2000)
         return 1
     plan = core.thread_plan
-    push.send(enc.encode(["ready", {"max_model_len": core.max_model_len, "has_tiers": core.tiers is not None,
-                                    "threads": plan.describe() if plan is not None else None,
-                                    "pid": os.getpid()}]))
+    push.send(
+        enc.encode(
+            [
+                "ready",
+                {
+                    "max_model_len": core.max_model_len,
+                    "has_tiers": core.tiers is not None,
+                    "threads": plan.describe() if plan is not None else None,
+                    "pid": os.getpid(),
+                },
+            ]
+        )
+    )
     loop = _EngineLoop(core, pull, push)
     try:
         loop.run()
@@ -356,14 +424,26 @@ class EngineClient:
 
     is_engine_process = True
 
-    def __init__(self, model: str, engine_kwargs: dict[str, Any], *, tenant_ttls: list | None = None,
-                 tenant_quotas: list | None = None, fleet_keys: tuple[str, float] | None = None,
-                 log_level: str = "info", on_finished: Callable[[RequestOutput, list[float]], None] | None = None,
-                 on_dead: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        engine_kwargs: dict[str, Any],
+        *,
+        tenant_ttls: list | None = None,
+        tenant_quotas: list | None = None,
+        fleet_keys: tuple[str, float] | None = None,
+        log_level: str = "info",
+        on_finished: Callable[[RequestOutput, list[float]], None] | None = None,
+        on_dead: Callable[[], None] | None = None,
+    ) -> None:
         self.model = model
         self.engine_kwargs = engine_kwargs
-        self.settings = {"tenant_ttls": tenant_ttls or [], "tenant_quotas": tenant_quotas or [],
-                         "fleet_keys": list(fleet_keys) if fleet_keys else None, "log_level": log_level}
+        self.settings = {
+            "tenant_ttls": tenant_ttls or [],
+            "tenant_quotas": tenant_quotas or [],
+            "fleet_keys": list(fleet_keys) if fleet_keys else None,
+            "log_level": log_level,
+        }
         self.on_finished = on_finished
         self.on_dead = on_dead
         self.info: dict[str, Any] = {}
@@ -390,10 +470,16 @@ class EngineClient:
         self._pull.bind(f"ipc://{self._dir}/from-engine")
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder()
-        settings = {**self.settings, "model": self.model, "engine_kwargs": self.engine_kwargs,
-                    "to_engine": f"ipc://{self._dir}/to-engine", "from_engine": f"ipc://{self._dir}/from-engine"}
-        self._proc = subprocess.Popen([sys.executable, "-m", "kvtier.server.engine_proc"], stdin=subprocess.PIPE,
-                                      close_fds=True)
+        settings = {
+            **self.settings,
+            "model": self.model,
+            "engine_kwargs": self.engine_kwargs,
+            "to_engine": f"ipc://{self._dir}/to-engine",
+            "from_engine": f"ipc://{self._dir}/from-engine",
+        }
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.server.engine_proc"], stdin=subprocess.PIPE, close_fds=True
+        )
         self._proc.stdin.write((json.dumps(settings) + "\n").encode())
         self._proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
@@ -536,13 +622,14 @@ class EngineClient:
                 if self.on_finished is not None:
                     try:
                         self.on_finished(out, live.itl_s)
-                    except Exception:  # noqa: BLE001 - metrics must not stop serving
+                    except Exception:
                         logger.exception("on_finished hook failed")
 
     def _check_alive(self) -> None:
         if not self.alive:
-            raise EngineDeadError(f"the engine is not running ({self.error})" if self.error
-                                  else "the engine is not running")
+            raise EngineDeadError(
+                f"the engine is not running ({self.error})" if self.error else "the engine is not running"
+            )
 
     async def _call(self, kind: str, *payload: Any) -> Any:
         self._check_alive()
@@ -557,8 +644,18 @@ class EngineClient:
         streams = [RequestStream(s.request_id) for s in specs]
         for s, stream in zip(specs, streams):
             self._live[s.request_id] = _ClientLive(stream, s, last_token_time=time.monotonic())
-        wire = [[s.request_id, s.prompt_token_ids, dataclasses.asdict(s.params), s.cache_salt, s.priority,
-                 s.prompt, s.tenant] for s in specs]
+        wire = [
+            [
+                s.request_id,
+                s.prompt_token_ids,
+                dataclasses.asdict(s.params),
+                s.cache_salt,
+                s.priority,
+                s.prompt,
+                s.tenant,
+            ]
+            for s in specs
+        ]
         try:
             await self._call("add", wire)
         except BaseException:

@@ -56,7 +56,8 @@ own hit rate.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -67,22 +68,119 @@ from kvtier.tiers.hierarchy import TIER_ORDER
 
 PREFIX = "kvtier:"
 
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
-                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-E2E_BUCKETS_S = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                 40.0, 50.0, 60.0, 120.0)
-RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                     5.0, 10.0)
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+ITL_BUCKETS_S = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS_S = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+)
+RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 N_BUCKETS = (1, 2, 5, 10, 20)
-TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
-                  7.5, 10.0, 20.0, 40.0, 80.0)
-PHASE_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TPOT_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+PHASE_BUCKETS_S = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class EngineCollector(Collector):
@@ -99,31 +197,64 @@ class EngineCollector(Collector):
         tier_usage = tiers.usage() if tiers is not None else {}
 
         yield _gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", kv.usage)
-        yield _gauge("gpu_cache_usage_perc", "The device pool's kv_cache_usage_perc, under the "
-                     "name vLLM's dashboard reads.", kv.usage)
+        yield _gauge(
+            "gpu_cache_usage_perc",
+            "The device pool's kv_cache_usage_perc, under the name vLLM's dashboard reads.",
+            kv.usage,
+        )
         from kvtier.engine.core import ITERATION_TOKEN_BUCKETS  # where the engine is, torch is
 
         st = engine.step_stats
-        yield _counter("prompt_tokens", "Prompt tokens of requests that got their first token "
-                       "(cached ones included).", st.num_prompt_tokens)
+        yield _counter(
+            "prompt_tokens",
+            "Prompt tokens of requests that got their first token (cached ones included).",
+            st.num_prompt_tokens,
+        )
         yield _counter("generation_tokens", "Tokens generated.", st.num_generation_tokens)
-        yield _bucket_histogram("iteration_tokens_total", "Tokens computed per engine step.",
-                                ITERATION_TOKEN_BUCKETS, st.iteration_token_counts, st.num_batched_tokens)
+        yield _bucket_histogram(
+            "iteration_tokens_total",
+            "Tokens computed per engine step.",
+            ITERATION_TOKEN_BUCKETS,
+            st.iteration_token_counts,
+            st.num_batched_tokens,
+        )
         cc = engine.config.cache
-        info = GaugeMetricFamily(PREFIX + "cache_config_info", "The cache configuration (value 1).",
-                                 labels=["block_size", "cache_dtype", "num_gpu_blocks",
-                                         "enable_prefix_caching", "eviction_policy", "host_cache_bytes",
-                                         "disk_cache_bytes", "remote_cache"])
+        info = GaugeMetricFamily(
+            PREFIX + "cache_config_info",
+            "The cache configuration (value 1).",
+            labels=[
+                "block_size",
+                "cache_dtype",
+                "num_gpu_blocks",
+                "enable_prefix_caching",
+                "eviction_policy",
+                "host_cache_bytes",
+                "disk_cache_bytes",
+                "remote_cache",
+            ],
+        )
         tc = engine.config.tiers
-        info.add_metric([str(bs), str(cc.kv_cache_dtype), str(kv.num_blocks), str(cc.enable_prefix_caching),
-                         str(cc.eviction_policy), str(tc.host_cache_bytes or 0),
-                         str(tc.disk_cache_bytes or 0) if tc.disk_cache_dir else "0",
-                         str(bool(tc.remote_cache_url))], 1)
+        info.add_metric(
+            [
+                str(bs),
+                str(cc.kv_cache_dtype),
+                str(kv.num_blocks),
+                str(cc.enable_prefix_caching),
+                str(cc.eviction_policy),
+                str(tc.host_cache_bytes or 0),
+                str(tc.disk_cache_bytes or 0) if tc.disk_cache_dir else "0",
+                str(bool(tc.remote_cache_url)),
+            ],
+            1,
+        )
         yield info
         for name in ("host", "disk"):
             used, cap = tier_usage.get(name, (0, None))
-            yield _gauge(f"{name}_cache_usage_perc", f"Fraction of the {name} tier's bytes in use "
-                         "(0..1; 0 when the tier is off).", used / cap if cap else 0.0)
+            yield _gauge(
+                f"{name}_cache_usage_perc",
+                f"Fraction of the {name} tier's bytes in use (0..1; 0 when the tier is off).",
+                used / cap if cap else 0.0,
+            )
         usage_b = GaugeMetricFamily(PREFIX + "tier_usage_bytes", "Bytes stored in a tier.", labels=["tier"])
         cap_b = GaugeMetricFamily(PREFIX + "tier_capacity_bytes", "Capacity of a tier in bytes.", labels=["tier"])
         for name, (used, cap) in tier_usage.items():
@@ -133,11 +264,12 @@ class EngineCollector(Collector):
         yield usage_b
         yield cap_b
 
-        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prompt tokens looked up, "
-                                      "by tier (device: all prompts; a tier: after the tiers above missed).",
-                                      labels=["tier"])
-        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found, by tier.",
-                                   labels=["tier"])
+        queries = CounterMetricFamily(
+            PREFIX + "prefix_cache_queries",
+            "Prompt tokens looked up, by tier (device: all prompts; a tier: after the tiers above missed).",
+            labels=["tier"],
+        )
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found, by tier.", labels=["tier"])
         queries.add_metric(["device"], kv.stats.queries_tokens)
         hits.add_metric(["device"], kv.stats.hits_tokens)
         for name, st in tier_stats.items():
@@ -146,13 +278,14 @@ class EngineCollector(Collector):
         yield queries
         yield hits
 
-        yield _counter("num_preemptions", "Requests preempted (their KV recomputed later).",
-                       sched.num_preemptions)
+        yield _counter("num_preemptions", "Requests preempted (their KV recomputed later).", sched.num_preemptions)
         read = CounterMetricFamily(PREFIX + "tier_bytes_read", "Bytes read from a tier.", labels=["tier"])
         written = CounterMetricFamily(PREFIX + "tier_bytes_written", "Bytes written to a tier.", labels=["tier"])
-        errors = CounterMetricFamily(PREFIX + "tier_errors", "Failed tier operations by kind "
-                                     "(kind=corrupt: entries that failed their checks).",
-                                     labels=["tier", "kind"])
+        errors = CounterMetricFamily(
+            PREFIX + "tier_errors",
+            "Failed tier operations by kind (kind=corrupt: entries that failed their checks).",
+            labels=["tier", "kind"],
+        )
         for name, st in tier_stats.items():
             read.add_metric([name], st.bytes_read)
             written.add_metric([name], st.bytes_written)
@@ -163,20 +296,21 @@ class EngineCollector(Collector):
         yield written
         yield errors
 
-        decisions = CounterMetricFamily(PREFIX + "restore_decisions", "Restore-or-recompute "
-                                        "decisions at admission.", labels=["decision"])
+        decisions = CounterMetricFamily(
+            PREFIX + "restore_decisions", "Restore-or-recompute decisions at admission.", labels=["decision"]
+        )
         for kind, n in sorted(_copy(sched.restore_decisions).items()):
             decisions.add_metric([kind], n)
         yield decisions
-        failed = CounterMetricFamily(PREFIX + "restore_failures", "Restores whose load failed "
-                                     "(their blocks were recomputed; each is logged).")
+        failed = CounterMetricFamily(
+            PREFIX + "restore_failures", "Restores whose load failed (their blocks were recomputed; each is logged)."
+        )
         failed.add_metric([], getattr(sched, "num_failed_loads", 0))
         yield failed
 
         yield _gauge("num_requests_running", "Sequences running.", len(sched.running))
         yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting))
-        yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.",
-                     len(sched.loading))
+        yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.", len(sched.loading))
         drift = getattr(engine, "drift", None)
         if drift is not None:
             yield from _drift_metrics(drift.stats)
@@ -186,12 +320,19 @@ def _drift_metrics(st: Any) -> Iterable[Metric]:
     """The KV drift monitor's running aggregates (a kvtier.engine.drift.DriftStats)."""
     from kvtier.engine.drift import KL_BUCKETS
 
-    yield _gauge("kv_drift_kl", "Mean KL divergence (nats) of served next-token distributions from "
-                 "full-precision KV ones, over the tokens of sampled requests.", st.mean_kl)
+    yield _gauge(
+        "kv_drift_kl",
+        "Mean KL divergence (nats) of served next-token distributions from "
+        "full-precision KV ones, over the tokens of sampled requests.",
+        st.mean_kl,
+    )
     yield _gauge("kv_drift_kl_max", "Largest KL divergence (nats) of one compared token.", st.kl_max)
-    yield _gauge("kv_drift_top1_agreement", "Fraction of compared tokens whose most likely next token "
-                 "is the same with served and full-precision KV (1 when none compared yet).",
-                 st.top1_agreement)
+    yield _gauge(
+        "kv_drift_top1_agreement",
+        "Fraction of compared tokens whose most likely next token "
+        "is the same with served and full-precision KV (1 when none compared yet).",
+        st.top1_agreement,
+    )
     yield _counter("kv_drift_samples", "Requests shadow-computed with full-precision KV.", st.num_samples)
     yield _counter("kv_drift_tokens", "Generated tokens compared against full-precision KV.", st.num_tokens)
     yield _counter("kv_drift_shadow_seconds", "Seconds spent in full-precision shadow passes.", st.shadow_s)
@@ -200,8 +341,12 @@ def _drift_metrics(st: Any) -> Iterable[Metric]:
     for bound, n in zip([*map(str, KL_BUCKETS), "+Inf"], counts):
         total += n
         buckets.append((bound, total))
-    yield HistogramMetricFamily(PREFIX + "kv_drift_request_kl", "Per-request mean KL divergence (nats) "
-                                "from full-precision KV.", buckets=buckets, sum_value=st.request_kl_sum)
+    yield HistogramMetricFamily(
+        PREFIX + "kv_drift_request_kl",
+        "Per-request mean KL divergence (nats) from full-precision KV.",
+        buckets=buckets,
+        sum_value=st.request_kl_sum,
+    )
 
 
 class SnapshotCollector(Collector):
@@ -228,8 +373,9 @@ class LabelledCollector(Collector):
             yield out
 
 
-def _bucket_histogram(name: str, doc: str, bounds: tuple[float, ...], counts: list[int],
-                      total: float) -> HistogramMetricFamily:
+def _bucket_histogram(
+    name: str, doc: str, bounds: tuple[float, ...], counts: list[int], total: float
+) -> HistogramMetricFamily:
     """A histogram family from per-bucket (not cumulative) counts, the last for +Inf."""
     buckets, running = [], 0
     for bound, n in zip([*map(str, bounds), "+Inf"], counts):
@@ -256,40 +402,68 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
-        self.itl = hist("inter_token_latency_seconds", "Time between the steps that gave a request "
-                        "tokens.", ITL_BUCKETS_S)
-        self.tpot = hist("time_per_output_token_seconds", "Time per output token (vLLM's older "
-                         "name of inter_token_latency_seconds; the same observations).", TPOT_BUCKETS_S)
-        self.req_tpot = hist("request_time_per_output_token_seconds", "Per request: decode time "
-                             "divided by the tokens after the first.", TPOT_BUCKETS_S)
+        self.itl = hist(
+            "inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS_S
+        )
+        self.tpot = hist(
+            "time_per_output_token_seconds",
+            "Time per output token (vLLM's older name of inter_token_latency_seconds; the same observations).",
+            TPOT_BUCKETS_S,
+        )
+        self.req_tpot = hist(
+            "request_time_per_output_token_seconds",
+            "Per request: decode time divided by the tokens after the first.",
+            TPOT_BUCKETS_S,
+        )
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS_S)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", PHASE_BUCKETS_S)
-        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.",
-                            PHASE_BUCKETS_S)
+        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", PHASE_BUCKETS_S)
         self.decode = hist("request_decode_time_seconds", "First token to last token.", PHASE_BUCKETS_S)
-        self.inference = hist("request_inference_time_seconds", "First scheduled to last token.",
-                              PHASE_BUCKETS_S)
+        self.inference = hist("request_inference_time_seconds", "First scheduled to last token.", PHASE_BUCKETS_S)
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.generation_tokens = hist("request_generation_tokens", "Generated tokens per request "
-                                      "(all n samples).", TOKEN_BUCKETS)
-        self.max_generation_tokens = hist("request_max_num_generation_tokens", "The most tokens one "
-                                          "of a request's samples generated.", TOKEN_BUCKETS)
+        self.generation_tokens = hist(
+            "request_generation_tokens", "Generated tokens per request (all n samples).", TOKEN_BUCKETS
+        )
+        self.max_generation_tokens = hist(
+            "request_max_num_generation_tokens", "The most tokens one of a request's samples generated.", TOKEN_BUCKETS
+        )
         self.params_n = hist("request_params_n", "The n of each request.", N_BUCKETS)
-        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request.",
-                                      TOKEN_BUCKETS)
-        self.restore = hist("restore_seconds", "Seconds a request spent restoring KV from tiers "
-                            "below the device (queue wait included), by the deepest tier it read.",
-                            RESTORE_BUCKETS_S, ["model_name", "tier"])
-        self.recomputed = Counter(PREFIX + "recomputed_tokens", "Prompt tokens computed rather "
-                                  "than reused.", m, registry=r)
-        self.requests = Counter(PREFIX + "request_success", "Requests that ended, by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
+        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request.", TOKEN_BUCKETS)
+        self.restore = hist(
+            "restore_seconds",
+            "Seconds a request spent restoring KV from tiers "
+            "below the device (queue wait included), by the deepest tier it read.",
+            RESTORE_BUCKETS_S,
+            ["model_name", "tier"],
+        )
+        self.recomputed = Counter(
+            PREFIX + "recomputed_tokens", "Prompt tokens computed rather than reused.", m, registry=r
+        )
+        self.requests = Counter(
+            PREFIX + "request_success",
+            "Requests that ended, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
         self._max_tokens: dict[str, int] = {}
         # the series exist (at zero) from the start, as vLLM's do
-        for metric in (self.ttft, self.itl, self.tpot, self.req_tpot, self.e2e, self.queue,
-                       self.prefill, self.decode, self.inference, self.prompt_tokens,
-                       self.generation_tokens, self.max_generation_tokens, self.params_n,
-                       self.params_max_tokens, self.recomputed):
+        for metric in (
+            self.ttft,
+            self.itl,
+            self.tpot,
+            self.req_tpot,
+            self.e2e,
+            self.queue,
+            self.prefill,
+            self.decode,
+            self.inference,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.max_generation_tokens,
+            self.params_n,
+            self.params_max_tokens,
+            self.recomputed,
+        ):
             metric.labels(model_name)
 
     def note_request(self, request_id: str, max_tokens: int | None) -> None:

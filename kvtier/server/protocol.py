@@ -17,7 +17,8 @@ import json
 import math
 import re
 import sys
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -25,8 +26,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 class APIError(Exception):
     """An error the client caused (4xx) or the server hit (5xx), in OpenAI's shape."""
 
-    def __init__(self, message: str, status_code: int = 400, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
@@ -35,8 +43,7 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 MAX_JSON_DEPTH = 64
@@ -57,8 +64,9 @@ def parse_json_object(body: bytes, precheck: Callable[[dict[str, Any]], Any] | N
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(f"the body is not valid UTF-8 ({e.reason} at byte {e.start})", 400,
-                       code="invalid_json") from None
+        raise APIError(
+            f"the body is not valid UTF-8 ({e.reason} at byte {e.start})", 400, code="invalid_json"
+        ) from None
     try:
         obj = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
@@ -88,8 +96,7 @@ def _finite_float(literal: str) -> float:
 
 
 def _too_deep() -> APIError:
-    return APIError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep", 400,
-                    code="invalid_json")
+    return APIError(f"the body is nested more than {MAX_JSON_DEPTH} levels deep", 400, code="invalid_json")
 
 
 def _check_tree(obj: dict[str, Any], check_strings: bool) -> None:
@@ -97,8 +104,12 @@ def _check_tree(obj: dict[str, Any], check_strings: bool) -> None:
     escapes at all, lone surrogates (keys count), named by path, e.g. `messages.0.content`."""
     level: list[Any] = [obj]
     for _ in range(MAX_JSON_DEPTH):
-        level = [v for node in level for v in (node.values() if type(node) is dict else node)
-                 if type(v) is list or type(v) is dict]
+        level = [
+            v
+            for node in level
+            for v in (node.values() if type(node) is dict else node)
+            if type(v) is list or type(v) is dict
+        ]
         if not level:
             break
     else:
@@ -122,10 +133,14 @@ def _find_surrogate(node: Any, path: tuple[str, ...]) -> None:
 def _surrogate_error(path: tuple[str, ...], text: str, where: str) -> APIError:
     m = _SURROGATE.search(text)
     assert m is not None
-    return APIError(f"{where} contains a lone UTF-16 surrogate (U+{ord(m.group()):04X} at "
-                    f"character {m.start()}), which is not Unicode text; send valid UTF-8 or "
-                    r"paired \uD8xx\uDCxx escapes", 400, param=".".join(path) or None,
-                    code="invalid_unicode")
+    return APIError(
+        f"{where} contains a lone UTF-16 surrogate (U+{ord(m.group()):04X} at "
+        f"character {m.start()}), which is not Unicode text; send valid UTF-8 or "
+        r"paired \uD8xx\uDCxx escapes",
+        400,
+        param=".".join(path) or None,
+        code="invalid_unicode",
+    )
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -142,8 +157,11 @@ def validation_error(e: ValidationError) -> APIError:
 
 
 def _is_type_name(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "list", "dict") or "[" in part or part.startswith(
-        ("function-", "constrained-", "json-or-python"))
+    return (
+        part in ("str", "int", "float", "bool", "list", "dict")
+        or "[" in part
+        or part.startswith(("function-", "constrained-", "json-or-python"))
+    )
 
 
 class _Strict(BaseModel):
@@ -158,21 +176,21 @@ class StreamOptions(_Strict):
 class _SamplingFields(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model: Optional[str] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     n: int = 1
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
-    seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 63)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     """A 64-bit integer (the sampler's generator takes no more)."""
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # kvtier / vLLM extras
-    cache_salt: Optional[str] = None
+    cache_salt: str | None = None
     priority: int = 0
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -181,15 +199,15 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     """Add each choice's generated token ids (and, outside streams, the prompt's) to the
     response; in a stream, each chunk carries the ids of the tokens it delivers."""
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     """Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100]."""
-    bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
-    truncate_prompt_tokens: Optional[int] = None
-    prompt_logprobs: Optional[int] = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
     """vLLM's: the prompt tokens' log-probabilities (top-k at each position) in the response."""
     # vLLM fields accepted at their neutral value only
     guided_json: Any = None
@@ -206,10 +224,18 @@ class _SamplingFields(_Strict):
     vllm_xargs: Any = None
     kv_transfer_params: Any = None
 
-    _NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = ("guided_whitespace_pattern", "logits_processors",
-                                                   "vllm_xargs", "kv_transfer_params")
-    _GUIDED: ClassVar[dict[str, str]] = {"guided_json": "json", "guided_regex": "regex",
-                                         "guided_choice": "choice", "guided_grammar": "grammar"}
+    _NOT_IMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "guided_whitespace_pattern",
+        "logits_processors",
+        "vllm_xargs",
+        "kv_transfer_params",
+    )
+    _GUIDED: ClassVar[dict[str, str]] = {
+        "guided_json": "json",
+        "guided_regex": "regex",
+        "guided_choice": "choice",
+        "guided_grammar": "grammar",
+    }
 
     def unsupported(self) -> list[str]:
         """Fields given with a value kvtier does not implement."""
@@ -231,10 +257,10 @@ class _SamplingFields(_Strict):
         found: list[tuple[dict[str, Any], str]] = []
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, dict):
-                raise APIError("structured_outputs must be an object, e.g. {\"json\": {...schema...}}",
-                               param="structured_outputs")
-            spec = {k: v for k, v in self.structured_outputs.items()
-                    if v is not None and k != "disable_fallback"}
+                raise APIError(
+                    'structured_outputs must be an object, e.g. {"json": {...schema...}}', param="structured_outputs"
+                )
+            spec = {k: v for k, v in self.structured_outputs.items() if v is not None and k != "disable_fallback"}
             found.append((spec, "structured_outputs"))
         for name, kind in self._GUIDED.items():
             value = getattr(self, name)
@@ -249,15 +275,17 @@ class _SamplingFields(_Strict):
                 js = rf.get("json_schema")
                 schema = js.get("schema") if isinstance(js, dict) else None
                 if not isinstance(schema, dict):
-                    raise APIError("response_format.json_schema.schema must be a JSON schema object",
-                                   param="response_format")
+                    raise APIError(
+                        "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+                    )
                 found.append(({"json": schema}, "response_format"))
             elif kind not in (None, "text"):
-                raise APIError(f"response_format type {kind!r} is not supported (text, json_object, "
-                               "json_schema)", param="response_format")
+                raise APIError(
+                    f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                    param="response_format",
+                )
         if len(found) > 1:
-            raise APIError(f"{found[0][1]} and {found[1][1]} both constrain the output; give one",
-                           param=found[1][1])
+            raise APIError(f"{found[0][1]} and {found[1][1]} both constrain the output; give one", param=found[1][1])
         return found[0] if found else (None, None)
 
     def token_logit_bias(self) -> dict[int, float] | None:
@@ -269,22 +297,21 @@ class _SamplingFields(_Strict):
             try:
                 out[int(key)] = value
             except ValueError:
-                raise APIError(f"logit_bias: the key {key[:40]!r} is not a token id", 400,
-                               param="logit_bias") from None
+                raise APIError(f"logit_bias: the key {key[:40]!r} is not a token id", 400, param="logit_bias") from None
         return out
 
 
-PromptInput = Union[str, list[int], list[str], list[list[int]]]
+PromptInput = str | list[int] | list[str] | list[list[int]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: Optional[int] = 16
-    logprobs: Optional[int] = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None
+    best_of: int | None = None
+    suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -308,8 +335,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
     role: str
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
@@ -322,23 +349,23 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = None
-    max_completion_tokens: Optional[int] = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = None
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    chat_template: Optional[str] = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     """A Jinja chat template for this request, in place of the model's."""
     continue_final_message: bool = False
     """End the prompt inside the last message (continue it) instead of opening a new turn;
     needs add_generation_prompt=false."""
     echo: bool = False
     documents: Any = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -352,7 +379,7 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeCompletionRequest(_Strict):
     """vLLM's /tokenize with a prompt."""
 
-    model: Optional[str] = None
+    model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool = False
@@ -361,15 +388,15 @@ class TokenizeCompletionRequest(_Strict):
 class TokenizeChatRequest(_Strict):
     """vLLM's /tokenize with messages (rendered by the chat template first)."""
 
-    model: Optional[str] = None
+    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    chat_template: Optional[str] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Strict):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: list[int]

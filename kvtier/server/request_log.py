@@ -26,7 +26,7 @@ class RequestLog:
     def __init__(self, path: str, include_text: bool = False) -> None:
         self.path = path
         self.include_text = include_text
-        self._file = open(path, "a", encoding="utf-8", buffering=1)
+        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - held until close()
         self._lock = threading.Lock()
         self._tenants: dict[str, str] = {}
         # RequestMetrics holds monotonic times; the log wants wall-clock ones
@@ -74,7 +74,7 @@ class RequestLog:
             try:
                 line = self._line(*item)
                 self._file.write(line + "\n")
-            except Exception:  # noqa: BLE001 - a log line is never worth the server
+            except Exception:
                 logger.exception("request log: could not write a line to %s", self.path)
 
     def close(self) -> None:

@@ -7,7 +7,8 @@ top-level `kvtier` object (restore decision, recomputed tokens, restore and firs
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvtier.outputs import CompletionOutput, RequestOutput
 
@@ -55,14 +56,17 @@ def kvtier_extras(outs: Sequence[RequestOutput]) -> dict[str, Any]:
         "ttft_s": first.metrics.ttft_s,
     }
     if len(outs) > 1:
-        extras["prompts"] = [{
-            "restore_decision": o.restore_decision,
-            "num_cached_tokens": o.num_cached_tokens,
-            "cached_tokens_by_tier": o.cached_tokens_by_tier,
-            "num_recomputed_tokens": o.num_recomputed_tokens,
-            "restore_s": o.restore_s,
-            "ttft_s": o.metrics.ttft_s,
-        } for o in outs]
+        extras["prompts"] = [
+            {
+                "restore_decision": o.restore_decision,
+                "num_cached_tokens": o.num_cached_tokens,
+                "cached_tokens_by_tier": o.cached_tokens_by_tier,
+                "num_recomputed_tokens": o.num_recomputed_tokens,
+                "restore_s": o.restore_s,
+                "ttft_s": o.metrics.ttft_s,
+            }
+            for o in outs
+        ]
     return extras
 
 
@@ -79,8 +83,9 @@ class TokenText:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(c: CompletionOutput, start: int, text_offset: int,
-                        token_text: TokenText) -> dict[str, Any] | None:
+def completion_logprobs(
+    c: CompletionOutput, start: int, text_offset: int, token_text: TokenText
+) -> dict[str, Any] | None:
     """Legacy completions logprobs of tokens[start:]; text offsets count from `text_offset`."""
     if c.logprobs is None:
         return None
@@ -115,32 +120,50 @@ def prompt_logprobs_body(o: RequestOutput, token_text: TokenText) -> list[Any] |
     """vLLM's `prompt_logprobs`: per position None or {token id: {logprob, decoded_token}}."""
     if o.prompt_logprobs is None:
         return None
-    return [None if top is None else
-            {str(t): {"logprob": float(lp), "rank": getattr(lp, "rank", None), "decoded_token": token_text(t)}
-             for t, lp in top.items()}
-            for top in o.prompt_logprobs]
+    return [
+        None
+        if top is None
+        else {
+            str(t): {"logprob": float(lp), "rank": getattr(lp, "rank", None), "decoded_token": token_text(t)}
+            for t, lp in top.items()
+        }
+        for top in o.prompt_logprobs
+    ]
 
 
-def chat_logprobs(c: CompletionOutput, start: int, num_top: int,
-                  token_text: TokenText) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, start: int, num_top: int, token_text: TokenText) -> dict[str, Any] | None:
     if c.logprobs is None:
         return None
     content = []
     for tid, top in zip(c.token_ids[start:], c.logprobs[start:]):
         s = token_text(tid)
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
-        content.append({
-            "token": s, "logprob": top.get(tid), "bytes": list(s.encode("utf-8")),
-            "top_logprobs": [{"token": token_text(t), "logprob": lp,
-                              "bytes": list(token_text(t).encode("utf-8"))} for t, lp in ranked],
-        })
+        content.append(
+            {
+                "token": s,
+                "logprob": top.get(tid),
+                "bytes": list(s.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode("utf-8"))}
+                    for t, lp in ranked
+                ],
+            }
+        )
     return {"content": content}
 
 
 # ------------------------------------------------------------------ bodies
-def completion_body(request_id: str, model: str, created: int, outs: Sequence[RequestOutput], n: int,
-                    token_text: TokenText, return_token_ids: bool = False, echo: bool = False,
-                    prompt_texts: Sequence[str] | None = None) -> dict[str, Any]:
+def completion_body(
+    request_id: str,
+    model: str,
+    created: int,
+    outs: Sequence[RequestOutput],
+    n: int,
+    token_text: TokenText,
+    return_token_ids: bool = False,
+    echo: bool = False,
+    prompt_texts: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """`echo`: each choice's text (and logprobs) starts with its prompt's (`prompt_texts`)."""
     choices = []
     for p, o in enumerate(outs):
@@ -153,69 +176,134 @@ def completion_body(request_id: str, model: str, created: int, outs: Sequence[Re
                 if lp is not None:
                     head = echo_logprobs(o, token_text)
                     shift = len(prompt)
-                    lp = {"tokens": head["tokens"] + lp["tokens"],
-                          "token_logprobs": head["token_logprobs"] + lp["token_logprobs"],
-                          "top_logprobs": head["top_logprobs"] + lp["top_logprobs"],
-                          "text_offset": head["text_offset"] + [x + shift for x in lp["text_offset"]]}
-            choice = {"index": p * n + c.index, "text": text, "logprobs": lp,
-                      "finish_reason": finish_reason(c.finish_reason),
-                      "stop_reason": c.stop_reason}
+                    lp = {
+                        "tokens": head["tokens"] + lp["tokens"],
+                        "token_logprobs": head["token_logprobs"] + lp["token_logprobs"],
+                        "top_logprobs": head["top_logprobs"] + lp["top_logprobs"],
+                        "text_offset": head["text_offset"] + [x + shift for x in lp["text_offset"]],
+                    }
+            choice = {
+                "index": p * n + c.index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": finish_reason(c.finish_reason),
+                "stop_reason": c.stop_reason,
+            }
             if o.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_body(o, token_text)
             if return_token_ids:
                 choice["prompt_token_ids"] = list(o.prompt_token_ids)
                 choice["token_ids"] = list(c.token_ids)
             choices.append(choice)
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": usage(outs), "kvtier": kvtier_extras(outs)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs),
+        "kvtier": kvtier_extras(outs),
+    }
 
 
-def chat_body(request_id: str, model: str, created: int, out: RequestOutput, num_top: int,
-              token_text: TokenText, return_token_ids: bool = False) -> dict[str, Any]:
-    choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c, 0, num_top, token_text),
-                "finish_reason": finish_reason(c.finish_reason), "stop_reason": c.stop_reason}
-               for c in out.outputs]
+def chat_body(
+    request_id: str,
+    model: str,
+    created: int,
+    out: RequestOutput,
+    num_top: int,
+    token_text: TokenText,
+    return_token_ids: bool = False,
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(c, 0, num_top, token_text),
+            "finish_reason": finish_reason(c.finish_reason),
+            "stop_reason": c.stop_reason,
+        }
+        for c in out.outputs
+    ]
     if return_token_ids:
         for choice, c in zip(choices, out.outputs):
             choice["prompt_token_ids"] = list(out.prompt_token_ids)
             choice["token_ids"] = list(c.token_ids)
-    body = {"id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": usage([out]), "kvtier": kvtier_extras([out])}
+    body = {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage([out]),
+        "kvtier": kvtier_extras([out]),
+    }
     if out.prompt_logprobs is not None:
         body["prompt_logprobs"] = prompt_logprobs_body(out, token_text)
     return body
 
 
-def completion_chunk(request_id: str, model: str, created: int, index: int, text: str,
-                     reason: str | None, logprobs: dict[str, Any] | None = None,
-                     stop_reason: int | str | None = None,
-                     token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs,
-                              "finish_reason": finish_reason(reason)}
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    text: str,
+    reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: int | str | None = None,
+    token_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+    }
     if reason is not None:
         choice["stop_reason"] = stop_reason
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice]}
+    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_chunk(request_id: str, model: str, created: int, index: int, delta: dict[str, Any],
-               reason: str | None, logprobs: dict[str, Any] | None = None,
-               stop_reason: int | str | None = None,
-               token_ids: list[int] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
-                              "finish_reason": finish_reason(reason)}
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    index: int,
+    delta: dict[str, Any],
+    reason: str | None,
+    logprobs: dict[str, Any] | None = None,
+    stop_reason: int | str | None = None,
+    token_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    choice: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason(reason),
+    }
     if reason is not None:
         choice["stop_reason"] = stop_reason
     if token_ids is not None:
         choice["token_ids"] = token_ids
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [choice]}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
 
 
-def usage_chunk(request_id: str, model: str, created: int, obj: str,
-                outs: Sequence[RequestOutput]) -> dict[str, Any]:
-    return {"id": request_id, "object": obj, "created": created, "model": model, "choices": [],
-            "usage": usage(outs), "kvtier": kvtier_extras(outs)}
+def usage_chunk(request_id: str, model: str, created: int, obj: str, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(outs),
+        "kvtier": kvtier_extras(outs),
+    }

@@ -16,20 +16,19 @@ import logging
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvtier.engine.detokenizer import StreamText
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import responses as R
-from kvtier.server.async_engine import (AsyncEngine, EngineDeadError, EngineStepError, RequestSpec,
-                                        RequestStream)
-from kvtier.engine.detokenizer import StreamText
-from kvtier.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                    _SamplingFields)
+from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestSpec, RequestStream
+from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from kvtier.server.tenancy import Tenant, tenant_hash
 
 logger = logging.getLogger("kvtier.server")
@@ -51,11 +50,18 @@ class RequestLimits:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, tokenizer: Any, model_name: str, max_model_len: int,
-                 request_log: Any = None, limits: RequestLimits | None = None,
-                 model_aliases: tuple[str, ...] = (),
-                 on_added: Callable[[str, int | None], None] | None = None,
-                 sampling_defaults: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        request_log: Any = None,
+        limits: RequestLimits | None = None,
+        model_aliases: tuple[str, ...] = (),
+        on_added: Callable[[str, int | None], None] | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = engine
         self.request_log = request_log
         self.tokenizer = tokenizer
@@ -74,8 +80,7 @@ class OpenAIServing:
         self.limits = limits or RequestLimits()
         self.token_text = R.TokenText(tokenizer)
         chars_per_token = getattr(tokenizer, "max_chars_per_token", None)
-        self.max_text_chars: int | None = (None if chars_per_token is None
-                                           else max_model_len * chars_per_token)
+        self.max_text_chars: int | None = None if chars_per_token is None else max_model_len * chars_per_token
         """Longer text cannot fit in the context whatever it tokenizes to: rejected untokenized."""
 
     # ------------------------------------------------------------------ before validation
@@ -88,15 +93,15 @@ class OpenAIServing:
         if isinstance(prompt[0], (str, list)):
             self._check_num_prompts(len(prompt))
         elif len(prompt) > self.max_model_len and body.get("truncate_prompt_tokens") is None:
-            raise _too_long(f"the prompt has {len(prompt)} token ids; this model's context is "
-                            f"{self.max_model_len} tokens", "prompt")
+            raise _too_long(
+                f"the prompt has {len(prompt)} token ids; this model's context is {self.max_model_len} tokens", "prompt"
+            )
         return body
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest, tenant: Tenant, raw: Request) -> Response:
         self._check_common(req)
-        texts = [req.prompt] if isinstance(req.prompt, str) else [
-            p for p in req.prompt if isinstance(p, str)]
+        texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
         num_prompts = 1 if isinstance(req.prompt, str) or _is_token_list(req.prompt) else len(req.prompt)
         self._check_num_prompts(num_prompts)
         self._check_num_seqs(num_prompts, req.n)
@@ -114,18 +119,30 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage, continuous = _usage_options(req)
-            gen = self._stream_completion(request_id, created, streams, params, include_usage,
-                                          req.return_token_ids, continuous)
+            gen = self._stream_completion(
+                request_id, created, streams, params, include_usage, req.return_token_ids, continuous
+            )
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
         echo_texts = None
         if req.echo:
-            echo_texts = [text if text is not None else
-                          (self.tokenizer.decode(ids, False) if self.tokenizer is not None else "")
-                          for text, ids in prompts]
-        return JSONResponse(R.completion_body(request_id, self.model_name, created, outs, req.n,
-                                              self.token_text, req.return_token_ids, echo=req.echo,
-                                              prompt_texts=echo_texts))
+            echo_texts = [
+                text if text is not None else (self.tokenizer.decode(ids, False) if self.tokenizer is not None else "")
+                for text, ids in prompts
+            ]
+        return JSONResponse(
+            R.completion_body(
+                request_id,
+                self.model_name,
+                created,
+                outs,
+                req.n,
+                self.token_text,
+                req.return_token_ids,
+                echo=req.echo,
+                prompt_texts=echo_texts,
+            )
+        )
 
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
         if isinstance(prompt, str):
@@ -135,8 +152,7 @@ class OpenAIServing:
         else:
             items = list(prompt)
         if not items:
-            raise APIError("prompt is empty; give a string, a list of token ids, or a list of those",
-                           param="prompt")
+            raise APIError("prompt is empty; give a string, a list of token ids, or a list of those", param="prompt")
         out = []
         for p in items:
             if isinstance(p, str):
@@ -149,14 +165,19 @@ class OpenAIServing:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise APIError("this model has no tokenizer (no tokenizer.json); send token ids",
-                           param="prompt")
+            raise APIError("this model has no tokenizer (no tokenizer.json); send token ids", param="prompt")
         return self.tokenizer.encode(text)
 
-    async def _stream_completion(self, request_id: str, created: int, streams: list[RequestStream],
-                                 params: list[SamplingParams], include_usage: bool,
-                                 return_token_ids: bool = False,
-                                 continuous_usage: bool = False) -> AsyncIterator[str]:
+    async def _stream_completion(
+        self,
+        request_id: str,
+        created: int,
+        streams: list[RequestStream],
+        params: list[SamplingParams],
+        include_usage: bool,
+        return_token_ids: bool = False,
+        continuous_usage: bool = False,
+    ) -> AsyncIterator[str]:
         # a chunk per engine step with new tokens whenever the client can use one without text:
         # logprobs or token ids asked for, or no tokenizer (every text delta empty), as vLLM does
         per_step = return_token_ids or self.tokenizer is None
@@ -182,26 +203,39 @@ class OpenAIServing:
                 sent_tokens[idx] = len(c.token_ids)
                 if c.finished:
                     done.add(idx)
-                chunk = R.completion_chunk(request_id, self.model_name, created, idx, delta,
-                                           c.finish_reason, lp, c.stop_reason,
-                                           list(c.token_ids[start:]) if return_token_ids else None)
+                chunk = R.completion_chunk(
+                    request_id,
+                    self.model_name,
+                    created,
+                    idx,
+                    delta,
+                    c.finish_reason,
+                    lp,
+                    c.stop_reason,
+                    list(c.token_ids[start:]) if return_token_ids else None,
+                )
                 if continuous_usage:
-                    chunk["usage"] = _running_usage(len(out.prompt_token_ids),
-                                                    sum(len(o.token_ids) for o in out.outputs))
+                    chunk["usage"] = _running_usage(
+                        len(out.prompt_token_ids), sum(len(o.token_ids) for o in out.outputs)
+                    )
                 yield R.sse(chunk)
             if out.finished:
                 finals[p] = out
         if include_usage:
-            yield R.sse(R.usage_chunk(request_id, self.model_name, created, "text_completion",
-                                      [f for f in finals if f is not None]))
+            yield R.sse(
+                R.usage_chunk(
+                    request_id, self.model_name, created, "text_completion", [f for f in finals if f is not None]
+                )
+            )
         yield R.SSE_DONE
 
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant, raw: Request) -> Response:
         self._check_common(req)
         if self.tokenizer is None:
-            raise APIError("chat needs a tokenizer with a chat template; this model has no "
-                           "tokenizer.json", param="messages")
+            raise APIError(
+                "chat needs a tokenizer with a chat template; this model has no tokenizer.json", param="messages"
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self._check_num_seqs(1, req.n)
@@ -209,18 +243,25 @@ class OpenAIServing:
 
         mode, fname = T.check_tools(req.tools, req.tool_choice)
         if mode == "auto" and req.tools and self.tool_parser is None:
-            raise APIError("tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
-                           "--tool-call-parser NAME (as vLLM); or use 'required', a named function or "
-                           "'none'", param="tool_choice")
+            raise APIError(
+                "tool_choice 'auto' needs the server started with --enable-auto-tool-choice "
+                "--tool-call-parser NAME (as vLLM); or use 'required', a named function or "
+                "'none'",
+                param="tool_choice",
+            )
         tool_spec = T.constraint(req.tools or [], mode, fname)
         if tool_spec is not None and req.structured()[0] is not None:
-            raise APIError(f"tool_choice {mode!r} constrains the output, and so does "
-                           f"{req.structured()[1]}: give one", param="tool_choice")
-        chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
-                    for m in req.messages if m.content is not None)
+            raise APIError(
+                f"tool_choice {mode!r} constrains the output, and so does {req.structured()[1]}: give one",
+                param="tool_choice",
+            )
+        chars = sum(
+            len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+            for m in req.messages
+            if m.content is not None
+        )
         chars += len(json.dumps(req.tools)) if req.tools and mode != "none" else 0
-        ids = await _off_loop(self._encode_chat, req, mode != "none",
-                              chars=chars + 64 * len(req.messages))
+        ids = await _off_loop(self._encode_chat, req, mode != "none", chars=chars + 64 * len(req.messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         ids = self._truncate([(None, ids)], req.truncate_prompt_tokens)[0][1]
@@ -231,14 +272,23 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             include_usage, continuous = _usage_options(req)
-            gen = self._stream_chat(request_id, created, streams[0], params[0], num_top, include_usage,
-                                    req.return_token_ids, continuous,
-                                    _kept_prompt_tokens(len(ids), params[0], self.max_model_len),
-                                    tool_state)
+            gen = self._stream_chat(
+                request_id,
+                created,
+                streams[0],
+                params[0],
+                num_top,
+                include_usage,
+                req.return_token_ids,
+                continuous,
+                _kept_prompt_tokens(len(ids), params[0], self.max_model_len),
+                tool_state,
+            )
             return _streaming(gen, self.engine, streams)
         outs = await self._wait_final(streams, raw)
-        body = R.chat_body(request_id, self.model_name, created, outs[0], num_top,
-                           self.token_text, req.return_token_ids)
+        body = R.chat_body(
+            request_id, self.model_name, created, outs[0], num_top, self.token_text, req.return_token_ids
+        )
         for choice in body["choices"]:
             content, calls = T.tool_message(choice["message"]["content"], *tool_state)
             if calls:
@@ -258,9 +308,13 @@ class OpenAIServing:
         messages = [m.for_template() for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, req.add_generation_prompt, tools=req.tools if with_tools else None,
+                messages,
+                req.add_generation_prompt,
+                tools=req.tools if with_tools else None,
                 chat_template=req.chat_template,
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                continue_final_message=req.continue_final_message,
+                **(req.chat_template_kwargs or {}),
+            )
         except TemplateError as e:
             where = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(f"the chat template failed on these messages: {e}", param=where) from None
@@ -271,12 +325,19 @@ class OpenAIServing:
         self._check_text_fits(text, "messages", what="the rendered chat")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    async def _stream_chat(self, request_id: str, created: int, stream: RequestStream,
-                           sp: SamplingParams, num_top: int, include_usage: bool,
-                           return_token_ids: bool = False, continuous_usage: bool = False,
-                           num_prompt_tokens: int = 0,
-                           tool_state: tuple[str, str | None, Any] = ("none", None, None)
-                           ) -> AsyncIterator[str]:
+    async def _stream_chat(
+        self,
+        request_id: str,
+        created: int,
+        stream: RequestStream,
+        sp: SamplingParams,
+        num_top: int,
+        include_usage: bool,
+        return_token_ids: bool = False,
+        continuous_usage: bool = False,
+        num_prompt_tokens: int = 0,
+        tool_state: tuple[str, str | None, Any] = ("none", None, None),
+    ) -> AsyncIterator[str]:
         from kvtier.server.tools import ToolStream
 
         tool_streams = {i: ToolStream(*tool_state) for i in range(sp.n)}
@@ -286,8 +347,7 @@ class OpenAIServing:
         final: RequestOutput | None = None
         for i in range(sp.n):  # the role first, as OpenAI does
             texts[i] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
-            chunk = R.chat_chunk(request_id, self.model_name, created, i,
-                                 {"role": "assistant", "content": ""}, None)
+            chunk = R.chat_chunk(request_id, self.model_name, created, i, {"role": "assistant", "content": ""}, None)
             if continuous_usage:
                 chunk["usage"] = _running_usage(num_prompt_tokens, 0)
             yield R.sse(chunk)
@@ -321,18 +381,24 @@ class OpenAIServing:
                                 reason = "tool_calls"
                     if not message and not c.finished and not (return_token_ids or sp.logprobs is not None):
                         continue
-                chunk = R.chat_chunk(request_id, self.model_name, created, c.index,
-                                     message, reason, lp, c.stop_reason,
-                                     list(c.token_ids[start:]) if return_token_ids else None)
+                chunk = R.chat_chunk(
+                    request_id,
+                    self.model_name,
+                    created,
+                    c.index,
+                    message,
+                    reason,
+                    lp,
+                    c.stop_reason,
+                    list(c.token_ids[start:]) if return_token_ids else None,
+                )
                 if continuous_usage:
-                    chunk["usage"] = _running_usage(num_prompt_tokens,
-                                                    sum(len(o.token_ids) for o in out.outputs))
+                    chunk["usage"] = _running_usage(num_prompt_tokens, sum(len(o.token_ids) for o in out.outputs))
                 yield R.sse(chunk)
             if out.finished:
                 final = out
         if include_usage and final is not None:
-            yield R.sse(R.usage_chunk(request_id, self.model_name, created, "chat.completion.chunk",
-                                      [final]))
+            yield R.sse(R.usage_chunk(request_id, self.model_name, created, "chat.completion.chunk", [final]))
         yield R.SSE_DONE
 
     # ------------------------------------------------------------------ /tokenize, /detokenize
@@ -343,23 +409,31 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer (no tokenizer.json)", param="prompt")
         from kvtier.server.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+
         if "messages" in body:
             chat = _validated(TokenizeChatRequest, body)
             req = ChatCompletionRequest.model_validate(
-                {"messages": [m.model_dump() for m in chat.messages],
-                 "add_generation_prompt": chat.add_generation_prompt,
-                 "continue_final_message": chat.continue_final_message,
-                 "chat_template": chat.chat_template,
-                 "chat_template_kwargs": chat.chat_template_kwargs})
-            chars = sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
-                        for m in req.messages if m.content is not None)
+                {
+                    "messages": [m.model_dump() for m in chat.messages],
+                    "add_generation_prompt": chat.add_generation_prompt,
+                    "continue_final_message": chat.continue_final_message,
+                    "chat_template": chat.chat_template,
+                    "chat_template_kwargs": chat.chat_template_kwargs,
+                }
+            )
+            chars = sum(
+                len(m.content) if isinstance(m.content, str) else sum(len(p.text) for p in m.content)
+                for m in req.messages
+                if m.content is not None
+            )
             ids = await _off_loop(self._encode_chat, req, chars=chars + 64 * len(req.messages))
             want_strs = chat.return_token_strs
         else:
             plain = _validated(TokenizeCompletionRequest, body)
             self._check_text_fits(plain.prompt, "prompt")
-            ids = await _off_loop(self.tokenizer.encode, plain.prompt, plain.add_special_tokens,
-                                  chars=len(plain.prompt))
+            ids = await _off_loop(
+                self.tokenizer.encode, plain.prompt, plain.add_special_tokens, chars=len(plain.prompt)
+            )
             want_strs = plain.return_token_strs
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids}
         if want_strs:
@@ -372,13 +446,22 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer (no tokenizer.json)")
         tok = self.tokenizer
-        info: dict[str, Any] = {k: v for k, v in tok.config.items()
-                                if k not in ("added_tokens_decoder", "chat_template")
-                                and isinstance(v, (str, int, float, bool, type(None), list, dict))}
-        info.update({"tokenizer_class": info.get("tokenizer_class", "PreTrainedTokenizerFast"),
-                     "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-                     "pad_token": info.get("pad_token"), "model_max_length": self.max_model_len,
-                     "chat_template": tok.chat_template})
+        info: dict[str, Any] = {
+            k: v
+            for k, v in tok.config.items()
+            if k not in ("added_tokens_decoder", "chat_template")
+            and isinstance(v, (str, int, float, bool, type(None), list, dict))
+        }
+        info.update(
+            {
+                "tokenizer_class": info.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                "bos_token": tok.bos_token,
+                "eos_token": tok.eos_token,
+                "pad_token": info.get("pad_token"),
+                "model_max_length": self.max_model_len,
+                "chat_template": tok.chat_template,
+            }
+        )
         return info
 
     async def detokenize(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -386,6 +469,7 @@ class OpenAIServing:
         if self.tokenizer is None:
             raise APIError("this model has no tokenizer (no tokenizer.json)", param="tokens")
         from kvtier.server.protocol import DetokenizeRequest
+
         req = _validated(DetokenizeRequest, body)
         vocab = self.tokenizer.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
@@ -401,49 +485,71 @@ class OpenAIServing:
         if keep is None:
             return prompts
         if not isinstance(keep, int) or (keep < 1 and keep != -1):
-            raise APIError(f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}",
-                           param="truncate_prompt_tokens")
+            raise APIError(
+                f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}", param="truncate_prompt_tokens"
+            )
         keep = self.max_model_len - 1 if keep == -1 else keep
         if keep >= self.max_model_len:
-            raise APIError(f"truncate_prompt_tokens ({keep}) must be below this model's context "
-                           f"of {self.max_model_len} tokens", param="truncate_prompt_tokens")
+            raise APIError(
+                f"truncate_prompt_tokens ({keep}) must be below this model's context of {self.max_model_len} tokens",
+                param="truncate_prompt_tokens",
+            )
         return [(text, ids) if len(ids) <= keep else (None, ids[-keep:]) for text, ids in prompts]
 
     def _check_num_prompts(self, num_prompts: int) -> None:
         limit = self.limits.max_prompts_per_request
         if num_prompts > limit:
-            raise APIError(f"prompt is a batch of {num_prompts} prompts; this server takes at most "
-                           f"{limit} per request (--max-prompts-per-request): split the batch into "
-                           "several requests", param="prompt", code="too_many_prompts")
+            raise APIError(
+                f"prompt is a batch of {num_prompts} prompts; this server takes at most "
+                f"{limit} per request (--max-prompts-per-request): split the batch into "
+                "several requests",
+                param="prompt",
+                code="too_many_prompts",
+            )
 
     def _check_num_seqs(self, num_prompts: int, n: int) -> None:
         limit = self.limits.max_seqs_per_request
         if isinstance(n, int) and num_prompts * n > limit:
-            raise APIError(f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this "
-                           f"server generates at most {limit} per request (--max-seqs-per-request): "
-                           "lower n or split the batch", param="n", code="too_many_sequences")
+            raise APIError(
+                f"{num_prompts} prompt(s) x n={n} is {num_prompts * n} sequences; this "
+                f"server generates at most {limit} per request (--max-seqs-per-request): "
+                "lower n or split the batch",
+                param="n",
+                code="too_many_sequences",
+            )
 
     def _check_text_fits(self, text: str, param: str, what: str = "the prompt") -> None:
         """A 400 for text longer than any tokenization of it that fits the context."""
         limit = self.max_text_chars
         if limit is not None and len(text) > limit:
-            raise _too_long(f"{what} has {len(text)} characters; this model's context is "
-                            f"{self.max_model_len} tokens and no text over {limit} characters fits "
-                            f"it (a token is at most {limit // self.max_model_len} characters): "
-                            "shorten it", param)
+            raise _too_long(
+                f"{what} has {len(text)} characters; this model's context is "
+                f"{self.max_model_len} tokens and no text over {limit} characters fits "
+                f"it (a token is at most {limit // self.max_model_len} characters): "
+                "shorten it",
+                param,
+            )
 
     def _check_common(self, req: _SamplingFields) -> None:
         if req.model is not None and req.model not in self.model_names:
-            raise APIError(f"the model {req.model!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see /v1/models)", 404, param="model",
-                           code="model_not_found")
+            raise APIError(
+                f"the model {req.model!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
         bad = req.unsupported()
         if bad:
-            raise APIError(f"{bad[0]} is not supported by kvtier; leave it out (or at its default)",
-                           param=bad[0])
+            raise APIError(f"{bad[0]} is not supported by kvtier; leave it out (or at its default)", param=bad[0])
 
-    def _params(self, req: _SamplingFields, prompt_ids: list[int], max_tokens: int | None,
-                logprobs: int | None, structured_spec: dict[str, Any] | None = None) -> SamplingParams:
+    def _params(
+        self,
+        req: _SamplingFields,
+        prompt_ids: list[int],
+        max_tokens: int | None,
+        logprobs: int | None,
+        structured_spec: dict[str, Any] | None = None,
+    ) -> SamplingParams:
         from kvtier.structured import StructuredOutputsParams
 
         spec, source = req.structured()
@@ -461,31 +567,57 @@ class OpenAIServing:
             max_tokens = min(d.get("max_tokens", room), room)
         try:
             return SamplingParams(
-                n=req.n, max_tokens=max_tokens,
+                n=req.n,
+                max_tokens=max_tokens,
                 temperature=d.get("temperature", 1.0) if req.temperature is None else req.temperature,
                 top_p=d.get("top_p", 1.0) if req.top_p is None else req.top_p,
                 top_k=d.get("top_k", 0) if req.top_k is None else req.top_k,
                 min_p=d.get("min_p", 0.0) if req.min_p is None else req.min_p,
-                seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-                ignore_eos=req.ignore_eos, logprobs=logprobs, min_tokens=req.min_tokens,
+                seed=req.seed,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                min_tokens=req.min_tokens,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=(d.get("repetition_penalty", 1.0) if req.repetition_penalty is None
-                                    else req.repetition_penalty),
-                logit_bias=req.token_logit_bias(), allowed_token_ids=req.allowed_token_ids,
-                bad_words=req.bad_words, truncate_prompt_tokens=req.truncate_prompt_tokens,
-                prompt_logprobs=req.prompt_logprobs, structured_outputs=structured)
+                repetition_penalty=(
+                    d.get("repetition_penalty", 1.0) if req.repetition_penalty is None else req.repetition_penalty
+                ),
+                logit_bias=req.token_logit_bias(),
+                allowed_token_ids=req.allowed_token_ids,
+                bad_words=req.bad_words,
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                prompt_logprobs=req.prompt_logprobs,
+                structured_outputs=structured,
+            )
         except ValueError as e:
             raise _value_error(e) from None
 
-    async def _add(self, request_id: str, prompts: list[Prompt], params: list[SamplingParams],
-                   req: _SamplingFields, tenant: Tenant, prompt_param: str = "prompt") -> list[RequestStream]:
+    async def _add(
+        self,
+        request_id: str,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        req: _SamplingFields,
+        tenant: Tenant,
+        prompt_param: str = "prompt",
+    ) -> list[RequestStream]:
         salt = tenant.effective_salt(req.cache_salt)
-        specs = [RequestSpec(f"{request_id}-{p}", ids, dataclasses.replace(sp), cache_salt=salt,
-                             priority=req.priority, prompt=text, tenant=tenant.name)
-                 for p, ((text, ids), sp) in enumerate(zip(prompts, params))]
+        specs = [
+            RequestSpec(
+                f"{request_id}-{p}",
+                ids,
+                dataclasses.replace(sp),
+                cache_salt=salt,
+                priority=req.priority,
+                prompt=text,
+                tenant=tenant.name,
+            )
+            for p, ((text, ids), sp) in enumerate(zip(prompts, params))
+        ]
         if self.request_log is not None:
             th = tenant_hash(tenant.name)
             for spec in specs:
@@ -505,6 +637,7 @@ class OpenAIServing:
 
     async def _wait_final(self, streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
         """The final outputs; aborts the requests if the client disconnects first."""
+
         async def final(stream: RequestStream) -> RequestOutput:
             while True:
                 out = await stream.next()
@@ -535,6 +668,7 @@ def _validated(model: Any, body: dict[str, Any]) -> Any:
     from pydantic import ValidationError
 
     from kvtier.server.protocol import validation_error
+
     try:
         return model.model_validate(body)
     except ValidationError as e:
@@ -578,8 +712,11 @@ def _kept_prompt_tokens(n: int, sp: SamplingParams, max_model_len: int) -> int:
 
 
 def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _is_token_list(prompt: Any) -> bool:
@@ -643,9 +780,12 @@ def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None
 
 
 def _streaming(gen: AsyncIterator[str], engine: AsyncEngine, streams: list[RequestStream]) -> Response:
-    return _CleanupStreamingResponse(gen, cleanup=lambda: _abort_unfinished(engine, streams),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _CleanupStreamingResponse(
+        gen,
+        cleanup=lambda: _abort_unfinished(engine, streams),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 class _CleanupStreamingResponse(StreamingResponse):
@@ -673,16 +813,36 @@ async def _errors_as_events(content: AsyncIterator[str]) -> AsyncIterator[str]:
         yield R.SSE_DONE
 
 
-_PARAM_NAMES = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "logprobs", "min_tokens",
-                "stop", "prompt", "cache_salt", "token id", "request id", "presence_penalty",
-                "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-                "bad_words", "truncate_prompt_tokens", "priority", "structured_outputs")
+_PARAM_NAMES = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "logprobs",
+    "min_tokens",
+    "stop",
+    "prompt",
+    "cache_salt",
+    "token id",
+    "request id",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "truncate_prompt_tokens",
+    "priority",
+    "structured_outputs",
+)
 
 
 def _value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
     """An engine or SamplingParams ValueError as a 400; `param` guessed from the message."""
     msg = str(e)
-    param = next((p for p in _PARAM_NAMES if msg.startswith(p + " ") or msg.startswith(p + ":")), None)
+    param = next((p for p in _PARAM_NAMES if msg.startswith((p + " ", p + ":"))), None)
     if param in ("token id", "prompt"):
         param = prompt_param
     elif param == "request id":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 
 async def aiter_events(response: Any) -> AsyncIterator[dict[str, Any] | None]:

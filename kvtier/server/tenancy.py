@@ -95,7 +95,7 @@ class ApiKeyResolver:
         self._keys = dict(keys)
 
     @classmethod
-    def from_file(cls, path: str) -> "ApiKeyResolver":
+    def from_file(cls, path: str) -> ApiKeyResolver:
         import json
 
         try:
@@ -106,16 +106,16 @@ class ApiKeyResolver:
         except json.JSONDecodeError as e:
             raise ValueError(f"the API key file {path} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or not isinstance(data.get("keys"), dict):
-            raise ValueError(f"the API key file {path} needs a 'keys' object: {{\"keys\": {{\"KEY\": \"TENANT\"}}}}")
+            raise ValueError(f'the API key file {path} needs a \'keys\' object: {{"keys": {{"KEY": "TENANT"}}}}')
         policies = data.get("tenants") or {}
         if not isinstance(policies, dict):
-            raise ValueError(f"'tenants' in {path} must be an object: {{\"NAME\": {{\"ttl_s\": SECONDS}}}}")
+            raise ValueError(f'\'tenants\' in {path} must be an object: {{"NAME": {{"ttl_s": SECONDS}}}}')
         keys: dict[str, Tenant] = {}
         for key, spec in data["keys"].items():
             if isinstance(spec, str):
                 spec = {"tenant": spec}
             if not isinstance(spec, dict) or not isinstance(spec.get("tenant"), str) or not spec["tenant"]:
-                raise ValueError(f"API key {key[:6]}...: give a tenant name (a string or {{\"tenant\": NAME}})")
+                raise ValueError(f'API key {key[:6]}...: give a tenant name (a string or {{"tenant": NAME}})')
             name = spec["tenant"]
             ttl = (policies.get(name) or {}).get("ttl_s")
             if ttl is not None and (not isinstance(ttl, (int, float)) or ttl <= 0):
@@ -125,8 +125,14 @@ class ApiKeyResolver:
                 v = pol.get(field_name)
                 if v is not None and (not isinstance(v, int) or v <= 0):
                     raise ValueError(f"tenant {name!r}: {field_name} must be a positive integer")
-            keys[key] = Tenant(name, tenant_salt(name), admin=bool(spec.get("admin", False)), ttl_s=ttl,
-                               host_bytes=pol.get("host_bytes"), disk_bytes=pol.get("disk_bytes"))
+            keys[key] = Tenant(
+                name,
+                tenant_salt(name),
+                admin=bool(spec.get("admin", False)),
+                ttl_s=ttl,
+                host_bytes=pol.get("host_bytes"),
+                disk_bytes=pol.get("disk_bytes"),
+            )
         return cls(keys)
 
     def tenants(self) -> list[Tenant]:
@@ -153,8 +159,10 @@ def read_admin_key(path: str) -> str:
     except OSError as e:
         raise ValueError(f"cannot read the admin key file {path}: {e.strerror}") from None
     if len(key) < 16 or any(c.isspace() for c in key):
-        raise ValueError(f"the admin key file {path} must hold one key of at least 16 characters "
-                         "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)")
+        raise ValueError(
+            f"the admin key file {path} must hold one key of at least 16 characters "
+            "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE)"
+        )
     return key
 
 
@@ -170,7 +178,7 @@ class AdminAuth:
         self.resolver = resolver
         self.admin_key = admin_key
         self.multi_tenant = not isinstance(resolver, SingleTenantResolver)
-        tenants = getattr(resolver, "tenants", lambda: [])()
+        tenants = getattr(resolver, "tenants", list)()
         self.configured = admin_key is not None or any(t.admin for t in tenants)
         self.open_reads = admin_key is None and not self.multi_tenant
 
@@ -178,8 +186,11 @@ class AdminAuth:
         """The standalone admin key (constant-time comparison)."""
         import hmac
 
-        return (self.admin_key is not None and api_key is not None
-                and hmac.compare_digest(api_key.encode(), self.admin_key.encode()))
+        return (
+            self.admin_key is not None
+            and api_key is not None
+            and hmac.compare_digest(api_key.encode(), self.admin_key.encode())
+        )
 
     def is_admin(self, api_key: str | None) -> bool:
         if self.is_admin_key(api_key):
@@ -194,8 +205,10 @@ class AdminAuth:
     def refusal(self, api_key: str | None) -> tuple[int, str]:
         """(status, message) for a caller that is not an admin."""
         if not self.configured:
-            return 403, ("this endpoint needs an admin credential and the server has none: start it "
-                         "with --admin-key-file FILE (or mark a key admin in --api-keys)")
+            return 403, (
+                "this endpoint needs an admin credential and the server has none: start it "
+                "with --admin-key-file FILE (or mark a key admin in --api-keys)"
+            )
         if api_key is None:
             return 401, "this endpoint needs an admin key: send 'Authorization: Bearer ADMIN_KEY'"
         return 403, "this endpoint needs an admin key"

@@ -36,8 +36,11 @@ class ToolCall:
             self.id = f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
 
     def body(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {"id": self.id, "type": "function",
-                               "function": {"name": self.name, "arguments": self.arguments}}
+        out: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         if index is not None:
             out["index"] = index
         return out
@@ -49,10 +52,17 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[s
     names: list[str] = []
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(f"tools.{i}: a tool is {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                           "\"parameters\": {...}}}}", param="tools")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise APIError(
+                f'tools.{i}: a tool is {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}}}',
+                param="tools",
+            )
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise APIError(f"tools.{i}.function.parameters must be a JSON schema object", param="tools")
@@ -61,16 +71,18 @@ def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[s
         return ("auto" if tools else "none"), None
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise APIError(f"tool_choice {tool_choice!r}: use none, auto, required or a named function",
-                           param="tool_choice")
+            raise APIError(
+                f"tool_choice {tool_choice!r}: use none, auto, required or a named function", param="tool_choice"
+            )
         if tool_choice == "required" and not tools:
             raise APIError("tool_choice 'required' needs tools", param="tool_choice")
         return tool_choice, None
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise APIError("tool_choice names a function as {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                       param="tool_choice")
+        raise APIError(
+            'tool_choice names a function as {"type": "function", "function": {"name": ...}}', param="tool_choice"
+        )
     if name not in names:
         raise APIError(f"tool_choice names {name!r}, which is not among the tools", param="tool_choice")
     return "named", name
@@ -86,13 +98,19 @@ def constraint(tools: list[dict[str, Any]], mode: str, name: str | None) -> dict
         tool = next(t for t in tools if t["function"]["name"] == name)
         return {"json": _parameters(tool)}
     if mode == "required":
-        items = [{"type": "object",
-                  "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                                 "parameters": _parameters(t)},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for t in tools]
-        return {"json": {"type": "array", "minItems": 1,
-                         "items": items[0] if len(items) == 1 else {"anyOf": items}}}
+        items = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "enum": [t["function"]["name"]]},
+                    "parameters": _parameters(t),
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+            for t in tools
+        ]
+        return {"json": {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}}
     return None
 
 
@@ -110,8 +128,11 @@ def read_constrained(text: str, mode: str, name: str | None) -> list[ToolCall]:
         value = json.loads(text)
     except ValueError:
         return []
-    return [ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-            for item in value if isinstance(item, dict) and isinstance(item.get("name"), str)]
+    return [
+        ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
+        for item in value
+        if isinstance(item, dict) and isinstance(item.get("name"), str)
+    ]
 
 
 class ToolParser:
@@ -151,7 +172,7 @@ class HermesParser(ToolParser):
                 calls.append(call)
         if not calls:
             return text, []
-        content = text[:text.index(self.start)].strip()
+        content = text[: text.index(self.start)].strip()
         return content or None, calls
 
 
@@ -162,7 +183,7 @@ class Llama3JsonParser(ToolParser):
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip()
         if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):].strip()
+            body = body[len("<|python_tag|>") :].strip()
         if not body.startswith("{"):
             return text, []
         calls = []
@@ -202,8 +223,12 @@ class MistralParser(ToolParser):
         return head.strip() or None, calls
 
 
-PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "qwen": HermesParser,
-                                        "llama3_json": Llama3JsonParser, "mistral": MistralParser}
+PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesParser,
+    "qwen": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "mistral": MistralParser,
+}
 
 
 def make_parser(name: str) -> ToolParser:
@@ -234,7 +259,7 @@ class ToolStream:
             return ""
         assert self.parser is not None
         hold = self._hold_from()
-        out = self.text[self.sent:hold]
+        out = self.text[self.sent : hold]
         self.sent = max(self.sent, hold)
         return out
 
@@ -242,7 +267,7 @@ class ToolStream:
         text, start = self.text, self.parser.start
         if isinstance(self.parser, Llama3JsonParser):
             lead = text.lstrip()
-            if not lead or lead.startswith("{") or lead.startswith("<|python_tag|>") or "<|python_tag|>".startswith(lead):
+            if not lead or lead.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(lead):
                 return self.sent
             return len(text)
         pos = text.find(start, self.sent)
@@ -260,13 +285,14 @@ class ToolStream:
             return ("" if calls else self.text), calls
         content, calls = self.parser.parse(self.text)
         if not calls:
-            return self.text[self.sent:], []
-        rest = (content or "")[self.sent:] if content and len(content) > self.sent else ""
+            return self.text[self.sent :], []
+        rest = (content or "")[self.sent :] if content and len(content) > self.sent else ""
         return rest, calls
 
 
-def tool_message(text: str, mode: str, name: str | None, parser: ToolParser | None
-                 ) -> tuple[str | None, list[ToolCall]]:
+def tool_message(
+    text: str, mode: str, name: str | None, parser: ToolParser | None
+) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of a whole chat output."""
     if mode in ("named", "required"):
         calls = read_constrained(text, mode, name)

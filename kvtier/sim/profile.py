@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from kvtier.kvcache.keys import block_key, hash_id_key, root_key
 
 ROOT = root_key(b"kvtier-analyze")
-WINDOW = 32      # tokens per window for shared-segment detection
-STRIDE = 8       # windows start every STRIDE tokens
+WINDOW = 32  # tokens per window for shared-segment detection
+STRIDE = 8  # windows start every STRIDE tokens
 MIN_SEGMENT = 64  # a shared segment shorter than this is noise
 
 
@@ -77,8 +78,9 @@ def _record(obj: Any, n: int, tokenizer: Any) -> Record:
         raise ValueError(f"line {n}: expected an object or a list of token ids")
     t = obj.get("arrival_time", obj.get("timestamp"))
     if "hash_ids" in obj:  # Mooncake: timestamp in milliseconds
-        return Record(None, _ints(obj["hash_ids"], n), int(obj.get("input_length", 0)),
-                      None if t is None else float(t) / 1000.0)
+        return Record(
+            None, _ints(obj["hash_ids"], n), int(obj.get("input_length", 0)), None if t is None else float(t) / 1000.0
+        )
     t = None if t is None else float(t)
     if "prompt_token_ids" in obj:
         toks = _ints(obj["prompt_token_ids"], n)
@@ -86,7 +88,7 @@ def _record(obj: Any, n: int, tokenizer: Any) -> Record:
         out = _ints(outs[0], n) if outs and isinstance(outs[0], list) else None
         return Record(toks, None, len(toks), t, out)
     if tokenizer is not None and ("prompt" in obj or "messages" in obj):
-        toks = (tokenizer.encode(obj["prompt"]) if "prompt" in obj else tokenizer.encode_chat(obj["messages"]))
+        toks = tokenizer.encode(obj["prompt"]) if "prompt" in obj else tokenizer.encode_chat(obj["messages"])
         return Record(toks, None, len(toks), t)
     if "prompt" in obj or "messages" in obj:
         raise ValueError(f"line {n}: a text request needs --tokenizer DIR to be tokenized")
@@ -102,8 +104,8 @@ def _ints(xs: Any, n: int) -> list[int]:
 def analyze(records: Iterable[Record], block_tokens: int | None = None) -> Profile:
     prof: Profile | None = None
     last_seen: dict[bytes, float | None] = {}
-    prompt_ends: set[bytes] = set()     # chain key of each earlier prompt's last full block
-    windows: dict[int, int] = {}        # window hash -> earliest request index
+    prompt_ends: set[bytes] = set()  # chain key of each earlier prompt's last full block
+    windows: dict[int, int] = {}  # window hash -> earliest request index
     reused: set[bytes] = set()
     for i, rec in enumerate(records):
         if prof is None:
@@ -153,7 +155,7 @@ def _chain(rec: Record, bt: int) -> list[bytes]:
         return keys
     toks = rec.tokens or []
     for b in range(len(toks) // bt):
-        parent = block_key(parent, toks[b * bt:(b + 1) * bt])
+        parent = block_key(parent, toks[b * bt : (b + 1) * bt])
         keys.append(parent)
     return keys
 
@@ -164,7 +166,7 @@ def _longest_shared_segment(tokens: list[int], windows: dict[int, int], idx: int
     run_start = None
     hashes = []
     for pos in range(0, len(tokens) - WINDOW + 1, STRIDE):
-        h = hash(tuple(tokens[pos:pos + WINDOW]))
+        h = hash(tuple(tokens[pos : pos + WINDOW]))
         hashes.append(h)
         seen = windows.get(h)
         if seen is not None and seen < idx:
@@ -182,7 +184,7 @@ def _longest_shared_segment(tokens: list[int], windows: dict[int, int], idx: int
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))] if xs else 0.0
+    return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else 0.0
 
 
 def summary(prof: Profile, block_bytes_per_token: int = 12 * 1024) -> dict[str, Any]:
@@ -195,9 +197,11 @@ def summary(prof: Profile, block_bytes_per_token: int = 12 * 1024) -> dict[str, 
         "requests_with_reuse": len(reuse),
         "distinct_reused_blocks": prof.num_reused_blocks,
         "reusable_prefix_tokens": {"p50": _pct(reuse, 50), "p90": _pct(reuse, 90), "max": max(reuse, default=0)},
-        "reuse_interval_s": {"p50": round(_pct(prof.reuse_interval_s, 50), 3),
-                             "p90": round(_pct(prof.reuse_interval_s, 90), 3),
-                             "count": len(prof.reuse_interval_s)},
+        "reuse_interval_s": {
+            "p50": round(_pct(prof.reuse_interval_s, 50), 3),
+            "p90": round(_pct(prof.reuse_interval_s, 90), 3),
+            "count": len(prof.reuse_interval_s),
+        },
         "multi_turn_ratio": round(prof.multi_turn_ratio, 4),
         "shared_segment": {
             "requests": len(prof.shared_segment_starts),
@@ -218,24 +222,34 @@ def recommendations(prof: Profile, s: dict[str, Any], bytes_per_token: int) -> l
         starts = [x for x in prof.shared_segment_starts if x > 0]
         common = statistics.mode(starts) if starts else 0
         share = sum(1 for x in starts if x == common) / n
-        recs.append(f"a shared segment of ~{int(s['shared_segment']['length_p50'])} tokens starts at token "
-                    f"{common} in {share:.0%} of requests, where a prefix cache cannot reuse it: move it "
-                    "to the front of the prompt")
+        recs.append(
+            f"a shared segment of ~{int(s['shared_segment']['length_p50'])} tokens starts at token "
+            f"{common} in {share:.0%} of requests, where a prefix cache cannot reuse it: move it "
+            "to the front of the prompt"
+        )
     if prof.reuse_interval_s:
         p90 = _pct(prof.reuse_interval_s, 90)
         working = prof.num_reused_blocks * prof.block_tokens * bytes_per_token
-        recs.append(f"90% of reuse comes within {p90:.0f} s of the previous use: a cache that keeps "
-                    f"blocks that long covers it; all reused blocks together take {working / 2**30:.1f} GiB "
-                    f"of KV at {bytes_per_token // 1024} KiB/token, an upper bound for the host tier")
+        recs.append(
+            f"90% of reuse comes within {p90:.0f} s of the previous use: a cache that keeps "
+            f"blocks that long covers it; all reused blocks together take {working / 2**30:.1f} GiB "
+            f"of KV at {bytes_per_token // 1024} KiB/token, an upper bound for the host tier"
+        )
     if s["ideal_hit_rate"] < 0.1:
-        recs.append(f"the ideal hit rate is only {s['ideal_hit_rate']:.0%}: tiering will not pay for "
-                    "this traffic unless prompts share more")
+        recs.append(
+            f"the ideal hit rate is only {s['ideal_hit_rate']:.0%}: tiering will not pay for "
+            "this traffic unless prompts share more"
+        )
     elif s["ideal_hit_rate"] > 0.3:
-        recs.append(f"the ideal hit rate is {s['ideal_hit_rate']:.0%}: size the device pool and tiers "
-                    "with `kvtier simulate` on this traffic")
+        recs.append(
+            f"the ideal hit rate is {s['ideal_hit_rate']:.0%}: size the device pool and tiers "
+            "with `kvtier simulate` on this traffic"
+        )
     if prof.multi_turn_ratio > 0.3:
-        recs.append(f"{prof.multi_turn_ratio:.0%} of requests continue an earlier conversation: keep "
-                    "conversation KV (write_through to host) rather than recomputing it")
+        recs.append(
+            f"{prof.multi_turn_ratio:.0%} of requests continue an earlier conversation: keep "
+            "conversation KV (write_through to host) rather than recomputing it"
+        )
     return recs
 
 

@@ -40,9 +40,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from kvtier.cost.model import CostModel, TierRun, take_runs
 from kvtier.kvcache.block_pool import BlockPool
@@ -64,8 +65,9 @@ class SimRequest:
     """Tokens of each block (the last one usually partial)."""
 
 
-def load_trace(path: str | Path | Iterable[dict], block_tokens: int = 512,
-               limit: int | None = None) -> list[SimRequest]:
+def load_trace(
+    path: str | Path | Iterable[dict], block_tokens: int = 512, limit: int | None = None
+) -> list[SimRequest]:
     """Parse a trace (a path or an iterable of dicts), sort it by timestamp, chain the keys."""
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -195,10 +197,22 @@ class SimPoint:
     """prefill_total_s - (restore time + prefill of the tokens not cached), over all requests."""
     sim_seconds: float = 0.0
 
-    _TIER_FIELDS = ("write_policy", "restore_policy", "device_hit_blocks", "device_hit_tokens",
-                    "device_block_hit_rate", "device_token_hit_rate", "stored_blocks", "restored_blocks",
-                    "recomputed_stored_blocks", "restore_decisions", "promotions", "demotions",
-                    "load_failures", "restore_s")
+    _TIER_FIELDS = (
+        "write_policy",
+        "restore_policy",
+        "device_hit_blocks",
+        "device_hit_tokens",
+        "device_block_hit_rate",
+        "device_token_hit_rate",
+        "stored_blocks",
+        "restored_blocks",
+        "recomputed_stored_blocks",
+        "restore_decisions",
+        "promotions",
+        "demotions",
+        "load_failures",
+        "restore_s",
+    )
 
     def to_dict(self, tiers: bool = True) -> dict:
         d = asdict(self)
@@ -220,18 +234,32 @@ def _build_tiers(config: SimConfig) -> tuple[SimHierarchy | None, CostModel]:
     if config.disk_cache_bytes:
         tiers["disk"] = MemoryTier(config.disk_cache_bytes)
     speeds = {"host": (sp.host_bytes_per_s, sp.host_latency_s), "disk": (sp.disk_bytes_per_s, sp.disk_latency_s)}
-    cost = CostModel.fixed(config.kv_block_bytes, config.block_tokens,
-                           read_bytes_per_s={name: speeds[name][0] for name in tiers},
-                           latency_s={name: speeds[name][1] for name in tiers},
-                           prefill_s_per_token=sp.prefill_s_per_token,
-                           prefill_s_per_token_pair=sp.prefill_s_per_token_pair)
+    cost = CostModel.fixed(
+        config.kv_block_bytes,
+        config.block_tokens,
+        read_bytes_per_s={name: speeds[name][0] for name in tiers},
+        latency_s={name: speeds[name][1] for name in tiers},
+        prefill_s_per_token=sp.prefill_s_per_token,
+        prefill_s_per_token_pair=sp.prefill_s_per_token_pair,
+    )
     if not tiers:
         return None, cost
-    tier_config = TierConfig(cache_write_policy=config.write_policy, selective_min_hits=config.selective_min_hits,
-                             restore_policy=config.restore_policy, io_threads=1)
-    hierarchy = SimHierarchy(tier_config, fingerprint=SIM_ROOT, block_bytes=config.kv_block_bytes,
-                             block_size=config.block_tokens, cost=cost, tiers=tiers, executor=SerialExecutor(),
-                             frame_bytes=config.frame_bytes)
+    tier_config = TierConfig(
+        cache_write_policy=config.write_policy,
+        selective_min_hits=config.selective_min_hits,
+        restore_policy=config.restore_policy,
+        io_threads=1,
+    )
+    hierarchy = SimHierarchy(
+        tier_config,
+        fingerprint=SIM_ROOT,
+        block_bytes=config.kv_block_bytes,
+        block_size=config.block_tokens,
+        cost=cost,
+        tiers=tiers,
+        executor=SerialExecutor(),
+        frame_bytes=config.frame_bytes,
+    )
     return hierarchy, cost
 
 
@@ -257,10 +285,16 @@ class TraceSimulator:
         """Selective: blocks on their Nth hit, written down before the request computes."""
         bb = config.kv_block_bytes
         host, disk = config.host_cache_bytes, config.disk_cache_bytes
-        self.point = SimPoint(device_blocks, config.policy, config.write_policy, config.restore_policy,
-                              host_blocks=host // bb if host else None,
-                              disk_blocks=disk // config.frame_bytes if disk else None,
-                              block_bytes=bb, prefill_s_per_token=config.speeds.prefill_s_per_token)
+        self.point = SimPoint(
+            device_blocks,
+            config.policy,
+            config.write_policy,
+            config.restore_policy,
+            host_blocks=host // bb if host else None,
+            disk_blocks=disk // config.frame_bytes if disk else None,
+            block_bytes=bb,
+            prefill_s_per_token=config.speeds.prefill_s_per_token,
+        )
         self._elapsed = 0.0
 
     @property
@@ -320,7 +354,7 @@ class TraceSimulator:
         if k:
             new = pool.allocate(k)  # allocate_restore
             plan = take_runs(runs, k)
-            result = hier.submit_load(keys[d:d + k], plan).result()
+            result = hier.submit_load(keys[d : d + k], plan).result()
             loaded = len(result.tensors)
             t_cached += self._count_restored(plan, toks, d, loaded)
             new += pool.allocate(n - d - k)  # the rest, once the load is in (allocate_more)
@@ -361,7 +395,7 @@ class TraceSimulator:
             take = min(run.num_blocks, left)
             if take <= 0:
                 break
-            t = sum(toks[i:i + take])
+            t = sum(toks[i : i + take])
             if run.tier == "host":
                 p.host_hit_blocks += take
                 p.host_hit_tokens += t
@@ -423,8 +457,9 @@ class TraceSimulator:
         assert not self._to_store and not self.pool.eviction_log, "stores left pending between requests"
 
 
-def simulate(requests: Sequence[SimRequest], device_blocks: Sequence[int], config: SimConfig | None = None,
-             **overrides: Any) -> dict:
+def simulate(
+    requests: Sequence[SimRequest], device_blocks: Sequence[int], config: SimConfig | None = None, **overrides: Any
+) -> dict:
     """Every capacity point; the dict the CLI prints with --json. `overrides`: SimConfig fields."""
     config = replace(config or SimConfig(), **overrides)
     points = []

@@ -15,8 +15,9 @@ runs (a write-back demotion during a load's promotion) runs after it, as with on
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from kvtier.tiers.base import Tier
 from kvtier.tiers.hierarchy import TierHierarchy
@@ -29,7 +30,7 @@ class JobResult:
     """The part of a Future the hierarchy's callers use (done, result, exception), without the
     condition variable a thread-safe Future builds for every job."""
 
-    __slots__ = ("_value", "_exc", "_done")
+    __slots__ = ("_done", "_exc", "_value")
 
     def __init__(self) -> None:
         self._value: Any = None
@@ -69,7 +70,7 @@ class SerialExecutor(Executor):
                     res, f, a, kw = self._queue.popleft()
                     try:
                         res._value = f(*a, **kw)
-                    except Exception as exc:  # like a worker thread: the result carries it
+                    except Exception as exc:  # noqa: BLE001 - like a worker thread: the result carries it
                         res._exc = exc
                     res._done = True
             finally:

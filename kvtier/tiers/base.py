@@ -38,8 +38,9 @@ import random
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import Callable, Iterable, Iterator, TypeVar
+from typing import TypeVar
 
 _T = TypeVar("_T")
 
@@ -56,6 +57,7 @@ class TierError(Exception):
 
 
 # -- fault injection --------------------------------------------------------------------------------
+
 
 @dataclass
 class FaultConfig:
@@ -95,18 +97,23 @@ class FaultConfig:
         cfg = cls()
         if spec is None or spec.strip().lower() in ("", "none", "off"):
             return cfg
-        scale = {"latency_ms": ("latency_s", 1e-3), "latency_s": ("latency_s", 1.0),
-                 "bandwidth_mbps": ("bandwidth_bytes_per_s", 1e6),
-                 "bandwidth_gbps": ("bandwidth_bytes_per_s", 1e9),
-                 "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", 1.0),
-                 "error_rate": ("error_rate", 1.0)}
+        scale = {
+            "latency_ms": ("latency_s", 1e-3),
+            "latency_s": ("latency_s", 1.0),
+            "bandwidth_mbps": ("bandwidth_bytes_per_s", 1e6),
+            "bandwidth_gbps": ("bandwidth_bytes_per_s", 1e9),
+            "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", 1.0),
+            "error_rate": ("error_rate", 1.0),
+        }
         values: dict[str, float | int] = {}
         for item in spec.split(","):
             name, sep, raw = item.partition("=")
             name = name.strip().lower()
             if not sep or (name not in scale and name != "seed"):
-                raise ValueError(f"bad fault spec item {item!r} in {spec!r}; expected key=value "
-                                 f"with key one of {sorted([*scale, 'seed'])}")
+                raise ValueError(
+                    f"bad fault spec item {item!r} in {spec!r}; expected key=value "
+                    f"with key one of {sorted([*scale, 'seed'])}"
+                )
             try:
                 if name == "seed":
                     values["seed"] = int(raw)
@@ -155,6 +162,7 @@ class FaultInjector:
 
 # -- health ------------------------------------------------------------------------------------------
 
+
 class HealthGate:
     """Circuit breaker: after a failure the tier is skipped for a backoff, then probed once.
 
@@ -167,8 +175,9 @@ class HealthGate:
     until the probe reports. The backoff resets on any success.
     """
 
-    def __init__(self, initial_backoff_s: float = 0.5, max_backoff_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, initial_backoff_s: float = 0.5, max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if initial_backoff_s <= 0 or max_backoff_s < initial_backoff_s:
             raise ValueError("need 0 < initial_backoff_s <= max_backoff_s")
         self.initial_backoff_s = initial_backoff_s
@@ -279,6 +288,7 @@ class LogLimiter:
 
 # -- stats -------------------------------------------------------------------------------------------
 
+
 @dataclass(slots=True)
 class TierStats:
     """Counters of one tier since it was created. `Tier.stats` hands out copies."""
@@ -320,6 +330,7 @@ class TierStats:
 
 
 # -- the tier ----------------------------------------------------------------------------------------
+
 
 def _check_key(key: bytes) -> None:
     if not isinstance(key, (bytes, bytearray)) or len(key) == 0:
@@ -371,8 +382,7 @@ class Tier(TierCounters, ABC):
 
     name: str
 
-    def __init__(self, name: str, *, faults: FaultConfig | None = None,
-                 health: HealthGate | None = None) -> None:
+    def __init__(self, name: str, *, faults: FaultConfig | None = None, health: HealthGate | None = None) -> None:
         super().__init__(faults)
         self.name = name
         self._gate = health or HealthGate()
@@ -446,9 +456,14 @@ class Tier(TierCounters, ABC):
             self._log_limiter.admit(kind)  # this record is the kind's first report
             self._down_logged = held is not None
             if held is not None:
-                logger.warning("tier %s unavailable: %s: %s; skipping it for %.1f s, requests "
-                               "recompute%s", self.name, kind, exc, self._gate.backoff_s or 0.0,
-                               f" ({held} more outages since the last report)" if held else "")
+                logger.warning(
+                    "tier %s unavailable: %s: %s; skipping it for %.1f s, requests recompute%s",
+                    self.name,
+                    kind,
+                    exc,
+                    self._gate.backoff_s or 0.0,
+                    f" ({held} more outages since the last report)" if held else "",
+                )
                 if kind == "internal":
                     logger.warning("tier %s: unexpected error in %s", self.name, op, exc_info=exc)
                 return kind
@@ -456,9 +471,15 @@ class Tier(TierCounters, ABC):
         if held is None:
             logger.debug("tier %s: %s failed (%s): %s", self.name, op, kind, exc)
         else:
-            logger.warning("tier %s: %s failed (%s): %s%s", self.name, op, kind, exc,
-                           f" ({held} more since the last report)" if held else "",
-                           exc_info=exc if kind == "internal" else None)
+            logger.warning(
+                "tier %s: %s failed (%s): %s%s",
+                self.name,
+                op,
+                kind,
+                exc,
+                f" ({held} more since the last report)" if held else "",
+                exc_info=exc if kind == "internal" else None,
+            )
         return kind
 
     def _succeed(self) -> None:
@@ -469,7 +490,7 @@ class Tier(TierCounters, ABC):
         logger.log(level, "tier %s is back after %d failures", self.name, num_failures)
         try:
             self._on_recovered()
-        except Exception as exc:  # a hook must not turn the probe's success into an error
+        except Exception as exc:  # noqa: BLE001 - a hook must not turn the probe's success into an error
             logger.warning("tier %s: recovery hook failed: %s", self.name, exc)
 
     def _on_recovered(self) -> None:
@@ -485,8 +506,7 @@ class Tier(TierCounters, ABC):
         backend's exception (counted in `errors`)."""
         if not self._gate.allow():
             self._count(skipped=1)
-            raise TierError("unavailable", f"tier {self.name} is unhealthy (retry in "
-                                           f"{self._gate.retry_in_s:.1f} s)")
+            raise TierError("unavailable", f"tier {self.name} is unhealthy (retry in {self._gate.retry_in_s:.1f} s)")
         try:
             if inject:
                 self._faults.before_op()
@@ -540,8 +560,7 @@ class Tier(TierCounters, ABC):
         except TierError:
             return None
         nbytes = 0 if data is None else len(data)
-        self._count(queries=1, hits=int(data is not None), bytes_read=nbytes,
-                    read_s=time.perf_counter() - t0)
+        self._count(queries=1, hits=int(data is not None), bytes_read=nbytes, read_s=time.perf_counter() - t0)
         return data
 
     def _get_many(self, keys: list[bytes]) -> list[bytes | None] | None:
@@ -608,9 +627,13 @@ class Tier(TierCounters, ABC):
         self._count(corrupt=1)
         held = self._log_limiter.admit("corrupt")
         if held is not None:
-            logger.warning("tier %s: corrupt entry %s (%s), deleted; the block is recomputed%s",
-                           self.name, key.hex(), reason or "checksum or header check failed",
-                           f" ({held} more since the last report)" if held else "")
+            logger.warning(
+                "tier %s: corrupt entry %s (%s), deleted; the block is recomputed%s",
+                self.name,
+                key.hex(),
+                reason or "checksum or header check failed",
+                f" ({held} more since the last report)" if held else "",
+            )
         self.delete(key)
 
     def keys(self) -> Iterator[bytes]:
@@ -649,7 +672,7 @@ class Tier(TierCounters, ABC):
         wedge the gate; a backend error here is logged and dropped."""
         try:
             self._close()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - closing must not raise
             logger.debug("tier %s: error while closing: %s", self.name, exc)
 
     def __enter__(self) -> Tier:
@@ -659,5 +682,7 @@ class Tier(TierCounters, ABC):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, usage_bytes={self.usage_bytes}, "
-                f"capacity_bytes={self.capacity_bytes}, healthy={self.healthy})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, usage_bytes={self.usage_bytes}, "
+            f"capacity_bytes={self.capacity_bytes}, healthy={self.healthy})"
+        )

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 import struct
 import threading
-from typing import TYPE_CHECKING, Protocol, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import lz4.block
 import numpy as np
@@ -57,8 +58,22 @@ ZSTD_LEVEL = 3
 
 
 def _dtype_codes() -> dict[torch.dtype, int]:
-    names = ["float32", "float16", "bfloat16", "uint8", "int8", "float8_e4m3fn", "float8_e5m2",
-             "float8_e4m3fnuz", "float8_e5m2fnuz", "int16", "int32", "int64", "float64", "bool"]
+    names = [
+        "float32",
+        "float16",
+        "bfloat16",
+        "uint8",
+        "int8",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "int16",
+        "int32",
+        "int64",
+        "float64",
+        "bool",
+    ]
     # codes are part of the format: append new dtypes, never renumber
     return {getattr(torch, n): code for code, n in enumerate(names, start=1) if hasattr(torch, n)}
 
@@ -121,6 +136,7 @@ def _decompress(comp_id: int, data: memoryview, nbytes: int) -> bytes:
 
 # -- frames ------------------------------------------------------------------------------------------
 
+
 def _check_id(name: str, value: bytes) -> None:
     if not isinstance(value, (bytes, bytearray)) or len(value) != ID_BYTES:
         raise ValueError(f"{name} must be {ID_BYTES} bytes, got {value!r:.60}")
@@ -130,8 +146,9 @@ def header_nbytes(ndim: int) -> int:
     return _FIXED.size + 8 * ndim + _TAIL.size
 
 
-def payload_nbytes_estimate(shape: Sequence[int], dtype: torch.dtype,
-                            compression: str | None = None, cipher_overhead_bytes: int = 0) -> int:
+def payload_nbytes_estimate(
+    shape: Sequence[int], dtype: torch.dtype, compression: str | None = None, cipher_overhead_bytes: int = 0
+) -> int:
     """Bytes of one encoded frame: exact without compression, an upper bound with it
     (a block compression does not shrink is stored raw). Add the cipher's overhead (e.g. 28 for
     AES-GCM with a 12-byte nonce and 16-byte tag). For capacity planning and admission."""
@@ -140,15 +157,17 @@ def payload_nbytes_estimate(shape: Sequence[int], dtype: torch.dtype,
     return header_nbytes(len(shape)) + math.prod(shape) * dtype.itemsize + cipher_overhead_bytes
 
 
-def encode(kv: torch.Tensor, *, fingerprint: bytes, key: bytes, compression: str | None = None,
-           cipher: Cipher | None = None) -> bytes:
+def encode(
+    kv: torch.Tensor, *, fingerprint: bytes, key: bytes, compression: str | None = None, cipher: Cipher | None = None
+) -> bytes:
     """Frame one tensor. One copy of the tensor bytes when uncompressed (into the frame)."""
     _check_id("fingerprint", fingerprint)
     _check_id("key", key)
     dtype_code = _DTYPE_CODES.get(kv.dtype)
     if dtype_code is None:
-        raise ValueError(f"dtype {kv.dtype} is not supported by the tier codec; "
-                         f"supported: {sorted(str(d) for d in _DTYPE_CODES)}")
+        raise ValueError(
+            f"dtype {kv.dtype} is not supported by the tier codec; supported: {sorted(str(d) for d in _DTYPE_CODES)}"
+        )
     comp_id = COMPRESSIONS.get(compression if compression != "none" else None)
     if comp_id is None:
         raise ValueError(f"unknown compression {compression!r}; use one of {list(COMPRESSIONS)}")
@@ -169,8 +188,9 @@ def encode(kv: torch.Tensor, *, fingerprint: bytes, key: bytes, compression: str
         else:
             comp_id = 0
     flags = 0
-    aad = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, comp_id, dtype_code, t.dim(), bytes(fingerprint),
-                      bytes(key)) + struct.pack(f"<{t.dim()}Q", *t.shape)
+    aad = _FIXED.pack(
+        MAGIC, FORMAT_VERSION, 0, comp_id, dtype_code, t.dim(), bytes(fingerprint), bytes(key)
+    ) + struct.pack(f"<{t.dim()}Q", *t.shape)
     if cipher is not None:
         flags |= FLAG_ENCRYPTED
         aad = aad[:5] + bytes((flags,)) + aad[6:]
@@ -183,8 +203,14 @@ def encode(kv: torch.Tensor, *, fingerprint: bytes, key: bytes, compression: str
     return b"".join((aad, length, _U64.pack(h.intdigest()), payload))
 
 
-def decode(data: bytes, *, fingerprint: bytes, key: bytes, cipher: Cipher | None = None,
-           device: torch.device | str | None = None) -> torch.Tensor:
+def decode(
+    data: bytes,
+    *,
+    fingerprint: bytes,
+    key: bytes,
+    cipher: Cipher | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """The tensor in a frame, checked against the expected fingerprint and key.
 
     Raises CorruptEntryError or WrongEntryError; the result owns its memory (a fresh tensor).
@@ -205,9 +231,10 @@ def decode(data: bytes, *, fingerprint: bytes, key: bytes, cipher: Cipher | None
         raise CorruptEntryError(f"truncated header: {len(mv)} < {hdr_end} bytes")
     stored_len, checksum = _TAIL.unpack_from(mv, aad_end)
     if len(mv) != hdr_end + stored_len:
-        raise CorruptEntryError(f"length mismatch: header says {stored_len} payload bytes, "
-                                f"frame has {len(mv) - hdr_end}")
-    h = xxhash.xxh3_64(mv[:aad_end + 8])
+        raise CorruptEntryError(
+            f"length mismatch: header says {stored_len} payload bytes, frame has {len(mv) - hdr_end}"
+        )
+    h = xxhash.xxh3_64(mv[: aad_end + 8])
     h.update(mv[hdr_end:])
     if h.intdigest() != checksum:
         raise CorruptEntryError("checksum mismatch")
@@ -221,8 +248,11 @@ def decode(data: bytes, *, fingerprint: bytes, key: bytes, cipher: Cipher | None
         raise CorruptEntryError(f"unknown dtype code {dtype_code}, compression {comp_id} or flags {flags:#x}")
     encrypted = bool(flags & FLAG_ENCRYPTED)
     if encrypted != (cipher is not None):
-        raise WrongEntryError("entry is encrypted and no cipher was given" if encrypted
-                              else "entry is not encrypted but a cipher was given")
+        raise WrongEntryError(
+            "entry is encrypted and no cipher was given"
+            if encrypted
+            else "entry is not encrypted but a cipher was given"
+        )
 
     shape = struct.unpack_from(f"<{ndim}Q", mv, _FIXED.size)
     out = torch.empty(shape, dtype=dtype)
@@ -249,16 +279,30 @@ def decode(data: bytes, *, fingerprint: bytes, key: bytes, cipher: Cipher | None
 
 # -- tier helpers ------------------------------------------------------------------------------------
 
-def store_tensor(tier: Tier, key: bytes, kv: torch.Tensor, *, fingerprint: bytes,
-                 compression: str | None = None, cipher: Cipher | None = None,
-                 ttl_s: float | None = None) -> bool:
+
+def store_tensor(
+    tier: Tier,
+    key: bytes,
+    kv: torch.Tensor,
+    *,
+    fingerprint: bytes,
+    compression: str | None = None,
+    cipher: Cipher | None = None,
+    ttl_s: float | None = None,
+) -> bool:
     """encode + tier.put."""
     frame = encode(kv, fingerprint=fingerprint, key=key, compression=compression, cipher=cipher)
     return tier.put(key, frame, ttl_s=ttl_s)
 
 
-def load_tensor(tier: Tier, key: bytes, *, fingerprint: bytes, cipher: Cipher | None = None,
-                device: torch.device | str | None = None) -> torch.Tensor | None:
+def load_tensor(
+    tier: Tier,
+    key: bytes,
+    *,
+    fingerprint: bytes,
+    cipher: Cipher | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor | None:
     """tier.get + decode. A frame that does not decode is a miss: reported to the tier, which
     counts and deletes it."""
     data = tier.get(key)

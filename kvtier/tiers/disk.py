@@ -50,8 +50,8 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 from kvtier.tiers.base import FaultConfig, HealthGate, Tier
 
@@ -76,7 +76,8 @@ def _check_private_dir(path: Path) -> None:
         raise PermissionError(
             f"{path} is owned by uid {st.st_uid} and open to other users (mode "
             f"{stat.S_IMODE(st.st_mode):o}); KV cache files must be private: run `chmod 700 {path}` "
-            f"as its owner, or choose another disk cache directory")
+            f"as its owner, or choose another disk cache directory"
+        )
     os.chmod(path, 0o700)
 
 
@@ -99,9 +100,17 @@ def entry_path(directory: str | os.PathLike, key: bytes) -> Path:
 
 
 class DiskTier(Tier):
-    def __init__(self, root_dir: str | os.PathLike, capacity_bytes: int, *, fingerprint: bytes,
-                 faults: FaultConfig | None = None, fsync: bool = False,
-                 health: HealthGate | None = None, name: str = "disk") -> None:
+    def __init__(
+        self,
+        root_dir: str | os.PathLike,
+        capacity_bytes: int,
+        *,
+        fingerprint: bytes,
+        faults: FaultConfig | None = None,
+        fsync: bool = False,
+        health: HealthGate | None = None,
+        name: str = "disk",
+    ) -> None:
         """`capacity_bytes` bounds the frames' total size (file-system block rounding aside).
         `fsync=True` makes a completed put survive power loss, at a large cost per write."""
         super().__init__(name, faults=faults, health=health)
@@ -170,7 +179,7 @@ class DiskTier(Tier):
                     if not name.endswith(_SUFFIX) or not entry.is_file():
                         continue
                     try:
-                        key = bytes.fromhex(name[:-len(_SUFFIX)])
+                        key = bytes.fromhex(name[: -len(_SUFFIX)])
                         st = entry.stat()
                         if st.st_mode & 0o077 and st.st_uid == euid:  # written before files were 0600
                             os.chmod(entry.path, 0o600)
@@ -204,7 +213,7 @@ class DiskTier(Tier):
                     os.fchmod(fd, 0o600)  # the mode of os.open passes through the umask
                     view = memoryview(line)
                     while view:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
                 finally:
                     os.close(fd)
         except OSError as exc:
@@ -349,8 +358,13 @@ class DiskTier(Tier):
             self._count_error("too_large")
             return False
         with self._lock:  # room first: a full file system must not hold the new file and the victims
-            excess = (self._usage_bytes - self._index.get(key, 0) + self._reserved_bytes + size
-                      - self._effective_capacity_bytes)
+            excess = (
+                self._usage_bytes
+                - self._index.get(key, 0)
+                + self._reserved_bytes
+                + size
+                - self._effective_capacity_bytes
+            )
             victims = self._take_victims(excess, keep=key)
             self._reserved_bytes += size
         installed = False
@@ -399,7 +413,7 @@ class DiskTier(Tier):
             try:
                 view = memoryview(payload)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
             finally:

@@ -49,7 +49,7 @@ def owner_id(owner: str | None) -> str:
 TIER_ORDER = ("host", "disk", "remote")
 
 
-def _ledger_path(config: "TierConfig", fingerprint: bytes) -> Path | None:
+def _ledger_path(config: TierConfig, fingerprint: bytes) -> Path | None:
     """Where pending purges are kept: beside the keys, else beside the disk tier, else nowhere
     (memory only: a pending remote purge is then forgotten when the process exits)."""
     directory = config.key_dir or config.disk_cache_dir
@@ -103,8 +103,7 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         if self.cache_write_policy not in WRITE_POLICIES:
-            raise ValueError(f"cache_write_policy must be one of {WRITE_POLICIES}, got "
-                             f"{self.cache_write_policy!r}")
+            raise ValueError(f"cache_write_policy must be one of {WRITE_POLICIES}, got {self.cache_write_policy!r}")
         if self.host_cache_bytes is not None and self.host_cache_bytes <= 0:
             raise ValueError("host_cache_bytes must be positive")
         if self.disk_cache_bytes is not None and self.disk_cache_dir is None:
@@ -112,8 +111,10 @@ class TierConfig:
         if self.restore_policy not in ("cost", "always"):
             raise ValueError("restore_policy must be 'cost' or 'always'")
         if self.master_key_file is not None and not self.remote_cache_url:
-            raise ValueError("master_key_file (--kv-master-key-file) needs a remote tier "
-                             "(--remote-cache-url): the wrapped data keys live there")
+            raise ValueError(
+                "master_key_file (--kv-master-key-file) needs a remote tier "
+                "(--remote-cache-url): the wrapped data keys live there"
+            )
         if self.key_check_interval_s < 0:
             raise ValueError("key_check_interval_s must be >= 0")
         if self.compression not in (None, "lz4", "zstd"):
@@ -156,9 +157,17 @@ class HierarchyStats:
 
 
 class TierHierarchy:
-    def __init__(self, config: TierConfig, *, fingerprint: bytes, block_bytes: int,
-                 block_size: int, cost: CostModel | None = None, tiers: dict[str, Any] | None = None,
-                 executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        config: TierConfig,
+        *,
+        fingerprint: bytes,
+        block_bytes: int,
+        block_size: int,
+        cost: CostModel | None = None,
+        tiers: dict[str, Any] | None = None,
+        executor: Executor | None = None,
+    ) -> None:
         """`tiers`: ready-made tiers by name ("host", "disk", "remote") instead of those the
         config describes (the simulator's payload-free ones); a host tier's `on_evict` is set
         here. `executor`: runs loads and stores (default: `config.io_threads` worker threads)."""
@@ -186,15 +195,21 @@ class TierHierarchy:
         purges its own copies of them (AsyncEngine) and clears the entry."""
         if config.master_key_file:
             from kvtier.tiers.keyring import FleetKeyring, read_master_key
-            self.keys = FleetKeyring(read_master_key(config.master_key_file), self.tiers["remote"],
-                                     check_interval_s=config.key_check_interval_s,
-                                     on_revoked=self._on_key_revoked)
+
+            self.keys = FleetKeyring(
+                read_master_key(config.master_key_file),
+                self.tiers["remote"],
+                check_interval_s=config.key_check_interval_s,
+                on_revoked=self._on_key_revoked,
+            )
         elif config.key_dir:
             from kvtier.tiers.crypto import KeyStore
+
             self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
-        self._pool = executor or ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvtier-io",
-                                                   initializer=threads.on_helper_thread)
+        self._pool = executor or ThreadPoolExecutor(
+            max_workers=config.io_threads, thread_name_prefix="kvtier-io", initializer=threads.on_helper_thread
+        )
         self._admin: ThreadPoolExecutor | None = None  # purges, sweeps: off the engine thread
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # pending stores drained (flush)
@@ -216,25 +231,41 @@ class TierHierarchy:
 
         if "remote" not in self.tiers:
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
-        self.keys = FleetKeyring(read_master_key(master_key_file), self.tiers["remote"],
-                                 check_interval_s=check_interval_s, on_revoked=self._on_key_revoked)
+        self.keys = FleetKeyring(
+            read_master_key(master_key_file),
+            self.tiers["remote"],
+            check_interval_s=check_interval_s,
+            on_revoked=self._on_key_revoked,
+        )
 
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
         tiers: dict[str, Any] = {}
         if config.host_cache_bytes:
             from kvtier.tiers.host import HostTier
-            tiers["host"] = HostTier(config.host_cache_bytes, faults=config.fault_for("host"),
-                                     on_evict=self._on_host_evict)
+
+            tiers["host"] = HostTier(
+                config.host_cache_bytes, faults=config.fault_for("host"), on_evict=self._on_host_evict
+            )
         if config.disk_cache_dir:
             from kvtier.tiers.disk import DiskTier
-            tiers["disk"] = DiskTier(config.disk_cache_dir, config.disk_cache_bytes or 16 << 30,
-                                     fingerprint=fingerprint, faults=config.fault_for("disk"))
+
+            tiers["disk"] = DiskTier(
+                config.disk_cache_dir,
+                config.disk_cache_bytes or 16 << 30,
+                fingerprint=fingerprint,
+                faults=config.fault_for("disk"),
+            )
         if config.remote_cache_url:
             from kvtier.tiers.remote import RemoteTier
-            tiers["remote"] = RemoteTier(config.remote_cache_url, fingerprint=fingerprint,
-                                         ttl_s=config.remote_ttl_s, timeout_s=config.remote_timeout_s,
-                                         faults=config.fault_for("remote"))
+
+            tiers["remote"] = RemoteTier(
+                config.remote_cache_url,
+                fingerprint=fingerprint,
+                ttl_s=config.remote_ttl_s,
+                timeout_s=config.remote_timeout_s,
+                faults=config.fault_for("remote"),
+            )
         return tiers
 
     # ------------------------------------------------------------------ lookup
@@ -297,8 +328,9 @@ class TierHierarchy:
         """The frame a disk or remote tier stores for one block."""
         from kvtier.tiers.codec import encode
 
-        return encode(kv, fingerprint=self.fingerprint, key=key, compression=self.config.compression,
-                      cipher=self._cipher(owner))
+        return encode(
+            kv, fingerprint=self.fingerprint, key=key, compression=self.config.compression, cipher=self._cipher(owner)
+        )
 
     def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
         """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode."""
@@ -362,8 +394,9 @@ class TierHierarchy:
         stamp = self.fence.stamp(owner_id(owner))
         return self._pool.submit(self._fenced_load, keys, plan, time.perf_counter(), owner, stamp)
 
-    def _fenced_load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None,
-                     stamp: tuple[int, int]) -> LoadResult:
+    def _fenced_load(
+        self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None, stamp: tuple[int, int]
+    ) -> LoadResult:
         """A load of a tenant purged since it was queued (or being purged) loads nothing."""
         with self.fence.enter(owner_id(owner), stamp) as ok:
             if ok:
@@ -374,8 +407,14 @@ class TierHierarchy:
             self._update_queue_estimates()
         return LoadResult([], {}, 0.0, time.perf_counter() - submitted)
 
-    def _load(self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None = None,
-              stamp: tuple[int, int] | None = None) -> LoadResult:
+    def _load(
+        self,
+        keys: list[bytes],
+        plan: list[str],
+        submitted: float,
+        owner: str | None = None,
+        stamp: tuple[int, int] | None = None,
+    ) -> LoadResult:
         t_start = time.perf_counter()
         stamp = stamp if stamp is not None else self.fence.stamp(owner_id(owner))
         out: list[Any] = []
@@ -392,7 +431,7 @@ class TierHierarchy:
                 else:
                     if name == "remote" and key not in prefetched:
                         # one round trip for the next run of remote blocks (up to 32)
-                        batch = [k for k, n in zip(keys[i:i + 32], plan[i:i + 32]) if n == "remote"]
+                        batch = [k for k, n in zip(keys[i : i + 32], plan[i : i + 32]) if n == "remote"]
                         prefetched.update(zip(batch, tier.get_many(batch)))
                     data = prefetched.pop(key) if key in prefetched else tier.get(key)
                     kv = None if data is None else self._decode(tier, data, key, owner)
@@ -414,7 +453,7 @@ class TierHierarchy:
                 self._update_queue_estimates()
         host = self.tiers.get("host")
         if host is not None:
-            host.touch(reversed(keys[:len(out)]))  # keep the head of a restored prefix longest
+            host.touch(reversed(keys[: len(out)]))  # keep the head of a restored prefix longest
         for name, n in per_tier.items():
             self.cost.tiers[name].observe_read(n * self.block_bytes, tier_time[name])
         self.stats.loads += 1
@@ -442,8 +481,7 @@ class TierHierarchy:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
             for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
-                    host.put(key, (kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner))),
-                             self.block_bytes)
+                    host.put(key, (kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner))), self.block_bytes)
             for owner in set(owners):
                 cap = self.owner_quota.get(owner, (None, None))[0]
                 if cap is not None:
@@ -460,8 +498,14 @@ class TierHierarchy:
             kv, owner, _, stamp = entry
             self._submit_store([key], [kv], [owner], lower, [stamp])
 
-    def _submit_store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
-                      names: list[str], stamps: list[tuple[int, int]] | None = None) -> None:
+    def _submit_store(
+        self,
+        keys: list[bytes],
+        tensors: list[Any],
+        owners: list[str | None],
+        names: list[str],
+        stamps: list[tuple[int, int]] | None = None,
+    ) -> None:
         """Queue a store; each block carries its owner's stamp of now (or of when the host
         tier got it, for a demotion), so a purge in between fences it off."""
         if stamps is None:
@@ -473,8 +517,14 @@ class TierHierarchy:
             self._pending_stores += len(keys)
         self._pool.submit(self._store, keys, tensors, owners, names, stamps)
 
-    def _store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None],
-               names: list[str], stamps: list[tuple[int, int]] | None = None) -> None:
+    def _store(
+        self,
+        keys: list[bytes],
+        tensors: list[Any],
+        owners: list[str | None],
+        names: list[str],
+        stamps: list[tuple[int, int]] | None = None,
+    ) -> None:
         try:
             stamps = stamps or [self.fence.stamp(owner_id(o)) for o in owners]
             groups: dict[tuple[str | None, tuple[int, int]], list[int]] = {}
@@ -493,8 +543,7 @@ class TierHierarchy:
                 self._pending_stores -= len(keys)
                 self._cond.notify_all()
 
-    def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: str | None,
-                     names: list[str]) -> None:
+    def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: str | None, names: list[str]) -> None:
         """Write one owner's blocks and record them in its manifests (inside its fence)."""
         from kvtier.tiers.crypto import KeyDestroyedError
         from kvtier.tiers.keyring import KeyringError
@@ -570,8 +619,9 @@ class TierHierarchy:
         """Run `fn(*args)` on the admin worker (one thread: purges, sweeps, usage), never on
         the engine thread and never behind the loads and stores of the I/O pool."""
         if self._admin is None:
-            self._admin = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-admin",
-                                             initializer=threads.on_helper_thread)
+            self._admin = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvtier-admin", initializer=threads.on_helper_thread
+            )
         return self._admin.submit(fn, *args)
 
     def purge_owner(self, owner: str | None) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from kvtier.tiers.base import FaultConfig, TierCounters
 
@@ -18,8 +18,13 @@ from kvtier.tiers.base import FaultConfig, TierCounters
 class HostTier(TierCounters):
     name = "host"
 
-    def __init__(self, capacity_bytes: int, *, faults: FaultConfig | None = None,
-                 on_evict: Callable[[bytes, object], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        faults: FaultConfig | None = None,
+        on_evict: Callable[[bytes, object], None] | None = None,
+    ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"host_cache_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes

@@ -24,8 +24,11 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
 
 from kvtier.tiers.base import TierError
 from kvtier.tiers.crypto import KEY_BYTES, NONCE_BYTES, KeyDestroyedError
@@ -84,9 +87,15 @@ class FleetKeyring:
     Same interface as crypto.KeyStore (`cipher`, `destroy`, `destroy_all`, `has_key`) plus
     `check`. Every Redis operation goes through the tier's gate (`Tier.call`)."""
 
-    def __init__(self, master_key: bytes, remote: Any, *, check_interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic,
-                 on_revoked: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        master_key: bytes,
+        remote: Any,
+        *,
+        check_interval_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+        on_revoked: Callable[[str], None] | None = None,
+    ) -> None:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
         if len(master_key) != KEY_BYTES:
@@ -114,13 +123,15 @@ class FleetKeyring:
     def _unwrap(self, name: bytes, blob: bytes) -> FleetCipher:
         if blob[:4] != MAGIC:
             raise KeyringError(f"{name.decode()} in Redis is not a kvtier wrapped key")
-        key_id = blob[4:4 + KEY_ID_BYTES]
-        body = blob[4 + KEY_ID_BYTES:]
+        key_id = blob[4 : 4 + KEY_ID_BYTES]
+        body = blob[4 + KEY_ID_BYTES :]
         try:
             key = self._master.decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], name + key_id)
-        except Exception:
-            raise KeyringError(f"the data key {name.decode()} in Redis does not open with this master key: "
-                               "give every instance the same --kv-master-key-file") from None
+        except (InvalidTag, ValueError):
+            raise KeyringError(
+                f"the data key {name.decode()} in Redis does not open with this master key: "
+                "give every instance the same --kv-master-key-file"
+            ) from None
         return FleetCipher(key_id, key)
 
     def _get(self, name: bytes) -> bytes | None:

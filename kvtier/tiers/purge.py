@@ -23,9 +23,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 ALL = "*"
 """The owner id of a purge of every tenant."""
@@ -83,6 +84,7 @@ class OwnerFence:
 
     def wait_quiet(self, oid: str, timeout_s: float | None = None) -> bool:
         """Wait until no work of `oid` (ALL: of anyone) is inside `enter`. True if quiet."""
+
         def quiet() -> bool:
             if oid == ALL:
                 return not any(self._active.values())
@@ -149,7 +151,7 @@ def unlink_remote(tier: Any, keys: list[bytes]) -> int:
     trip each), through the tier's gate; returns how many existed. Raises TierError."""
     removed = 0
     for start in range(0, len(keys), REMOTE_BATCH):
-        chunk = keys[start:start + REMOTE_BATCH]
+        chunk = keys[start : start + REMOTE_BATCH]
 
         def op(chunk: list[bytes] = chunk) -> int:
             pipe = tier._pipeline()
@@ -232,7 +234,7 @@ class PurgeRequests:
                 for oid, when in (self._redis().hgetall(PURGE_REQUESTS_HASH) or {}).items():
                     oid = oid.decode() if isinstance(oid, bytes) else str(oid)
                     out[oid] = max(out.get(oid, 0.0), float(when))
-            except Exception:  # noqa: BLE001 - Redis down: the directory still answers, or later
+            except Exception:  # noqa: BLE001, S110 - Redis down: the directory still answers, or later
                 pass
         return out
 
@@ -258,9 +260,15 @@ def _stored_fingerprints(disk_cache_dir: str | None, remote_cache_url: str | Non
     return found
 
 
-def purge_stored(tenant: str | None, *, disk_cache_dir: str | None = None, remote_cache_url: str | None = None,
-                 key_dir: str | None = None, master_key_file: str | None = None,
-                 notify: bool = True) -> dict[str, Any]:
+def purge_stored(
+    tenant: str | None,
+    *,
+    disk_cache_dir: str | None = None,
+    remote_cache_url: str | None = None,
+    key_dir: str | None = None,
+    master_key_file: str | None = None,
+    notify: bool = True,
+) -> dict[str, Any]:
     """Delete every stored block of `tenant` (a vLLM `cache_salt`; None: requests without one)
     from the disk tier and Redis, for every model configuration found there, destroy its data
     key, and post a purge request that running processes act on (their in-memory copies).
@@ -270,8 +278,13 @@ def purge_stored(tenant: str | None, *, disk_cache_dir: str | None = None, remot
     oid = owner_id(tenant)
     out: dict[str, Any] = {"owner_id": oid, "fingerprints": {}}
     for fp in sorted(_stored_fingerprints(disk_cache_dir, remote_cache_url, oid)):
-        config = TierConfig(disk_cache_dir=disk_cache_dir, disk_cache_bytes=1 << 62 if disk_cache_dir else None,
-                            remote_cache_url=remote_cache_url, key_dir=key_dir, master_key_file=master_key_file)
+        config = TierConfig(
+            disk_cache_dir=disk_cache_dir,
+            disk_cache_bytes=1 << 62 if disk_cache_dir else None,
+            remote_cache_url=remote_cache_url,
+            key_dir=key_dir,
+            master_key_file=master_key_file,
+        )
         tiers = TierHierarchy(config, fingerprint=fp, block_bytes=1, block_size=1)
         try:
             out["fingerprints"][fp.hex()] = tiers.purge_owner(tenant)

@@ -49,7 +49,8 @@ import logging
 import ssl
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -63,14 +64,33 @@ from kvtier.tiers.base import FaultConfig, HealthGate, Tier, TierError
 
 logger = logging.getLogger(__name__)
 
-_SCHEMES = {"redis": ("redis", False), "rediss": ("rediss", False), "valkey": ("redis", False),
-            "valkeys": ("rediss", False), "redis+cluster": ("redis", True),
-            "rediss+cluster": ("rediss", True), "valkey+cluster": ("redis", True),
-            "valkeys+cluster": ("rediss", True)}
-_TLS_OPTIONS = {"ssl_ca_certs", "ssl_ca_path", "ssl_cert_reqs", "ssl_certfile", "ssl_keyfile",
-                "ssl_password", "ssl_check_hostname"}
-_URL_OPTIONS = _TLS_OPTIONS | {"socket_timeout", "socket_connect_timeout", "socket_keepalive",
-                               "client_name", "max_connections", "protocol"}
+_SCHEMES = {
+    "redis": ("redis", False),
+    "rediss": ("rediss", False),
+    "valkey": ("redis", False),
+    "valkeys": ("rediss", False),
+    "redis+cluster": ("redis", True),
+    "rediss+cluster": ("rediss", True),
+    "valkey+cluster": ("redis", True),
+    "valkeys+cluster": ("rediss", True),
+}
+_TLS_OPTIONS = {
+    "ssl_ca_certs",
+    "ssl_ca_path",
+    "ssl_cert_reqs",
+    "ssl_certfile",
+    "ssl_keyfile",
+    "ssl_password",
+    "ssl_check_hostname",
+}
+_URL_OPTIONS = _TLS_OPTIONS | {
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "client_name",
+    "max_connections",
+    "protocol",
+}
 _BATCH = 512
 _PREFIX_LUA = """
 for i, name in ipairs(KEYS) do
@@ -89,8 +109,10 @@ def parse_url(url: str) -> tuple[str, bool]:
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in _SCHEMES:
-        raise ValueError(f"unsupported remote tier URL {url!r}: use redis://, rediss://, valkey://, "
-                         f"valkeys:// or their +cluster forms (redis+cluster://h1:p1,h2:p2)")
+        raise ValueError(
+            f"unsupported remote tier URL {url!r}: use redis://, rediss://, valkey://, "
+            f"valkeys:// or their +cluster forms (redis+cluster://h1:p1,h2:p2)"
+        )
     base_scheme, cluster = _SCHEMES[scheme]
     query = parse_qsl(parts.query, keep_blank_values=True)
     rest = []
@@ -98,11 +120,12 @@ def parse_url(url: str) -> tuple[str, bool]:
         if name == "cluster":
             cluster = cluster or value.lower() in ("1", "true", "yes", "on")
         elif name not in _URL_OPTIONS:
-            raise ValueError(f"unknown option {name!r} in remote tier URL {url!r}; accepted: "
-                             f"cluster, {', '.join(sorted(_URL_OPTIONS))}")
+            raise ValueError(
+                f"unknown option {name!r} in remote tier URL {url!r}; accepted: "
+                f"cluster, {', '.join(sorted(_URL_OPTIONS))}"
+            )
         elif name in _TLS_OPTIONS and base_scheme != "rediss":
-            raise ValueError(f"{name} in {url!r} needs a TLS URL: use rediss:// (or "
-                             f"rediss+cluster://, valkeys://)")
+            raise ValueError(f"{name} in {url!r} needs a TLS URL: use rediss:// (or rediss+cluster://, valkeys://)")
         else:
             rest.append((name, value))
     return urlunsplit((base_scheme, parts.netloc, parts.path, urlencode(rest), "")), cluster
@@ -111,15 +134,26 @@ def parse_url(url: str) -> tuple[str, bool]:
 def _scripting_refused(exc: redis.ResponseError) -> bool:
     """Does this error say the server will never run scripts for us (not a passing state)?"""
     msg = str(exc).lower()
-    return (msg.startswith(("unknown command", "err unknown command", "noperm"))
-            or "no permissions" in msg or "disabled" in msg)
+    return (
+        msg.startswith(("unknown command", "err unknown command", "noperm"))
+        or "no permissions" in msg
+        or "disabled" in msg
+    )
 
 
 class RemoteTier(Tier):
-    def __init__(self, url: str, *, fingerprint: bytes, ttl_s: float | None = None,
-                 timeout_s: float = 1.0, faults: FaultConfig | None = None,
-                 key_prefix: str = "kvtier", health: HealthGate | None = None,
-                 name: str = "remote") -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        fingerprint: bytes,
+        ttl_s: float | None = None,
+        timeout_s: float = 1.0,
+        faults: FaultConfig | None = None,
+        key_prefix: str = "kvtier",
+        health: HealthGate | None = None,
+        name: str = "remote",
+    ) -> None:
         """`ttl_s`: default expiry of entries (None: never; the server's maxmemory policy
         evicts). `timeout_s`: connect and per-command socket timeout."""
         super().__init__(name, faults=faults, health=health)
@@ -152,8 +186,11 @@ class RemoteTier(Tier):
 
     # -- client ----------------------------------------------------------------------------------------
     def _client_options(self) -> dict[str, Any]:
-        return dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
-                    retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
+        return dict(
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        )
 
     def _on_connect(self, connection: Any) -> None:
         """redis-py's connect hook (single server): set the connection up as usual, then note
@@ -189,8 +226,9 @@ class RemoteTier(Tier):
             nodes.append(ClusterNode(host.strip("[]"), int(port)))
         # one node in the URL, so that redis-py parses the options: same names, same types
         host = f"[{nodes[0].host}]" if ":" in nodes[0].host else nodes[0].host  # IPv6
-        one = urlunsplit((parts.scheme, (userinfo + "@" if userinfo else "") + f"{host}:{nodes[0].port}",
-                          "", parts.query, ""))
+        one = urlunsplit(
+            (parts.scheme, (userinfo + "@" if userinfo else "") + f"{host}:{nodes[0].port}", "", parts.query, "")
+        )
         options = redis_parse_url(one)
         for name in ("host", "port", "db", "connection_class"):
             options.pop(name, None)
@@ -198,8 +236,7 @@ class RemoteTier(Tier):
 
     def _make_client(self) -> Any:
         if not self.cluster:
-            return redis.Redis.from_url(self._redis_url, redis_connect_func=self._on_connect,
-                                        **self._client_options())
+            return redis.Redis.from_url(self._redis_url, redis_connect_func=self._on_connect, **self._client_options())
         # the URL's options win over timeout_s, as from_url does for a single server
         return RedisCluster(**{**self._client_options(), **self._cluster_startup()})
 
@@ -224,7 +261,7 @@ class RemoteTier(Tier):
         if client is not None:
             try:
                 client.close()
-            except Exception:
+            except Exception:  # noqa: BLE001, S110 - a dead connection may fail to close
                 pass
 
     def _name(self, key: bytes) -> bytes:
@@ -272,12 +309,17 @@ class RemoteTier(Tier):
                 # this call falls back to EXISTS either way (a failure there is the call's);
                 # only a server that refuses scripts for good (managed services, an ACL) loses it
                 if _scripting_refused(exc):
-                    logger.warning("remote tier %s: the server refuses Lua (%s); contains_prefix "
-                                   "uses pipelined EXISTS from now on", self.name, exc)
+                    logger.warning(
+                        "remote tier %s: the server refuses Lua (%s); contains_prefix "
+                        "uses pipelined EXISTS from now on",
+                        self.name,
+                        exc,
+                    )
                     self._prefix_script = None
                 else:
-                    logger.debug("remote tier %s: prefix script failed (%s); pipelined EXISTS "
-                                 "this time", self.name, exc)
+                    logger.debug(
+                        "remote tier %s: prefix script failed (%s); pipelined EXISTS this time", self.name, exc
+                    )
         # one round trip (per node in a cluster); EXISTS per key works across slots
         pipe = self._pipeline()
         for name in names:
@@ -299,8 +341,7 @@ class RemoteTier(Tier):
         if not keys:
             return
         try:
-            self.call("record_owner", lambda: self._redis().sadd(self._owner_set(owner_id),
-                                                                  *[k.hex() for k in keys]))
+            self.call("record_owner", lambda: self._redis().sadd(self._owner_set(owner_id), *[k.hex() for k in keys]))
         except TierError:
             pass  # counted by call(); the blocks stay readable, only a purge by owner misses them
 
@@ -353,7 +394,7 @@ class RemoteTier(Tier):
         for name in self._redis().scan_iter(match=pattern, count=_BATCH):
             rest = name[cut:]
             if rest[:1] == b"{":  # a cluster name: "{tag}" before the key
-                rest = rest[2 + 2 * TAG_BYTES:]
+                rest = rest[2 + 2 * TAG_BYTES :]
             try:
                 yield bytes.fromhex(rest.decode())
             except ValueError:
@@ -365,7 +406,7 @@ class RemoteTier(Tier):
         num_removed = 0
         for start in range(0, len(names), _BATCH):
             pipe = self._pipeline()
-            for name in names[start:start + _BATCH]:
+            for name in names[start : start + _BATCH]:
                 pipe.unlink(name)  # one key per command: valid across cluster slots
             num_removed += sum(pipe.execute())
         with self._sizes_lock:
@@ -394,7 +435,7 @@ class RemoteTier(Tier):
             snapshot = list(self._sizes.items())
         missing: list[tuple[bytes, tuple[int, float | None]]] = []
         for start in range(0, len(snapshot), _BATCH):
-            batch = snapshot[start:start + _BATCH]
+            batch = snapshot[start : start + _BATCH]
             pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
             for key, _ in batch:
                 pipe.exists(self._name(key))
@@ -405,8 +446,10 @@ class RemoteTier(Tier):
                     del self._sizes[key]
                     self._usage_bytes -= entry[0]
         if missing:
-            logger.info("remote tier %s: %d accounted entries are gone from the server; usage "
-                        "resynced", self.name, len(missing))
+            logger.info(
+                "remote tier %s: %d accounted entries are gone from the server; usage resynced", self.name, len(missing)
+            )
+
     def _account(self, key: bytes, nbytes: int, ttl_s: float | None) -> None:
         now = time.monotonic()
         expiry = now + ttl_s if ttl_s is not None else None

@@ -10,8 +10,20 @@ import json
 
 from conftest import SERVE_FLAGS
 
-SMALL_SHARED = ("--workload", "shared_prefix", "--num-groups", "2", "--prompts-per-group", "3",
-                "--system-tokens", "48", "--question-tokens", "6", "--output-tokens", "4")
+SMALL_SHARED = (
+    "--workload",
+    "shared_prefix",
+    "--num-groups",
+    "2",
+    "--prompts-per-group",
+    "3",
+    "--system-tokens",
+    "48",
+    "--question-tokens",
+    "6",
+    "--output-tokens",
+    "4",
+)
 
 
 def _records(result: dict, run: str) -> list[dict]:
@@ -47,8 +59,19 @@ def test_bench_model_mode_writes_json_markdown_png_and_warm_requests_hit(bench, 
 
 
 def test_bench_isolation_scenario_passes(bench, bench_model_dir):
-    rc, result, out = bench("--model", str(bench_model_dir), *SERVE_FLAGS, "--scenario", "isolation",
-                            "--num-requests", "3", "--prompt-tokens", "24", "--output-tokens", "2")
+    rc, result, out = bench(
+        "--model",
+        str(bench_model_dir),
+        *SERVE_FLAGS,
+        "--scenario",
+        "isolation",
+        "--num-requests",
+        "3",
+        "--prompt-tokens",
+        "24",
+        "--output-tokens",
+        "2",
+    )
     assert rc == 0
     iso = result["isolation"]
     assert iso["passed"] is True, iso
@@ -61,13 +84,29 @@ def test_bench_isolation_scenario_passes(bench, bench_model_dir):
 
 def test_bench_url_mode_trace_replay_against_a_separate_server(bench, url_server, tmp_path):
     trace = tmp_path / "trace.jsonl"
-    rows = [{"timestamp": 0, "input_length": 1000, "output_length": 3, "hash_ids": [7, 8]},
-            {"timestamp": 200, "input_length": 1500, "output_length": 3, "hash_ids": [7, 8, 9]},
-            {"timestamp": 400, "input_length": 900, "output_length": 3, "hash_ids": [10, 11]},
-            {"timestamp": 600, "input_length": 1024, "output_length": 3, "hash_ids": [7, 8]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1000, "output_length": 3, "hash_ids": [7, 8]},
+        {"timestamp": 200, "input_length": 1500, "output_length": 3, "hash_ids": [7, 8, 9]},
+        {"timestamp": 400, "input_length": 900, "output_length": 3, "hash_ids": [10, 11]},
+        {"timestamp": 600, "input_length": 1024, "output_length": 3, "hash_ids": [7, 8]},
+    ]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rc, result, out = bench("--url", url_server.url, "--workload", "trace", "--trace", str(trace),
-                            "--block-tokens", "16", "--speedup", "4", "--output-tokens", "2", "--concurrency", "1")
+    rc, result, _out = bench(
+        "--url",
+        url_server.url,
+        "--workload",
+        "trace",
+        "--trace",
+        str(trace),
+        "--block-tokens",
+        "16",
+        "--speedup",
+        "4",
+        "--output-tokens",
+        "2",
+        "--concurrency",
+        "1",
+    )
     assert rc == 0
     recs = _records(result, "trace")
     assert [r["prompt_tokens"] for r in recs] == [32, 47, 29, 32]
@@ -83,10 +122,31 @@ def test_bench_url_mode_trace_replay_against_a_separate_server(bench, url_server
 
 
 def test_bench_url_mode_concurrency_sweep_and_text_prompts(bench, url_server):
-    rc, result, out = bench("--url", url_server.url, "--workload", "multi_turn", "--scenario", "concurrency",
-                            "--concurrency-sweep", "1,2", "--num-sessions", "2", "--turns", "2",
-                            "--system-tokens", "24", "--user-tokens", "8", "--reply-tokens", "4",
-                            "--think-time-s", "0", "--output-tokens", "2", "--text-prompts")
+    rc, result, out = bench(
+        "--url",
+        url_server.url,
+        "--workload",
+        "multi_turn",
+        "--scenario",
+        "concurrency",
+        "--concurrency-sweep",
+        "1,2",
+        "--num-sessions",
+        "2",
+        "--turns",
+        "2",
+        "--system-tokens",
+        "24",
+        "--user-tokens",
+        "8",
+        "--reply-tokens",
+        "4",
+        "--think-time-s",
+        "0",
+        "--output-tokens",
+        "2",
+        "--text-prompts",
+    )
     assert rc == 0
     assert [p["concurrency"] for p in result["sweep"]] == [1, 2]
     assert all(p["errors"] == 0 for p in result["sweep"])
@@ -112,9 +172,30 @@ def test_bench_reports_usage_errors(bench, url_server, bench_model_dir, capsys):
 
 
 def test_bench_url_mode_mixed_scenario_reports_each_kind(bench, url_server):
-    rc, result, _ = bench("--url", url_server.url, "--scenario", "mixed", "--num-sessions", "2", "--turns", "2",
-                          "--system-tokens", "24", "--user-tokens", "8", "--reply-tokens", "4", "--think-time-s", "0",
-                          "--num-requests", "3", "--prompt-tokens", "12", "--output-tokens", "2")
+    rc, result, _ = bench(
+        "--url",
+        url_server.url,
+        "--scenario",
+        "mixed",
+        "--num-sessions",
+        "2",
+        "--turns",
+        "2",
+        "--system-tokens",
+        "24",
+        "--user-tokens",
+        "8",
+        "--reply-tokens",
+        "4",
+        "--think-time-s",
+        "0",
+        "--num-requests",
+        "3",
+        "--prompt-tokens",
+        "12",
+        "--output-tokens",
+        "2",
+    )
     assert rc == 0 and result["workload"] == "mixed"
     by_tag = result["runs"]["mixed"]["summary"]["by_tag"]
     assert by_tag["long"]["requests"] == 4 and by_tag["short"]["requests"] == 3
@@ -124,11 +205,36 @@ def test_bench_url_mode_mixed_scenario_reports_each_kind(bench, url_server):
 
 
 def test_bench_slow_storage_scenario_restarts_the_server_with_tier_faults(bench, bench_model_dir):
-    rc, result, out = bench("--model", str(bench_model_dir), "--dtype", "float32", "--block-size", "4",
-                            "--num-device-blocks", "64", "--scenario", "slow_storage",
-                            "--tier-faults", "host=latency_ms=1", "--workload", "multi_turn", "--num-sessions", "2",
-                            "--turns", "2", "--system-tokens", "24", "--user-tokens", "8", "--reply-tokens", "4",
-                            "--think-time-s", "0", "--output-tokens", "2")
+    rc, result, _out = bench(
+        "--model",
+        str(bench_model_dir),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "4",
+        "--num-device-blocks",
+        "64",
+        "--scenario",
+        "slow_storage",
+        "--tier-faults",
+        "host=latency_ms=1",
+        "--workload",
+        "multi_turn",
+        "--num-sessions",
+        "2",
+        "--turns",
+        "2",
+        "--system-tokens",
+        "24",
+        "--user-tokens",
+        "8",
+        "--reply-tokens",
+        "4",
+        "--think-time-s",
+        "0",
+        "--output-tokens",
+        "2",
+    )
     assert rc == 0
     assert result["tier_faults"] == {"host": "latency_ms=1"}
     base, slowed = result["runs"]["baseline"], result["runs"]["slowed"]

@@ -11,11 +11,28 @@ from kvtier.bench import metrics as M
 from kvtier.bench.client import PrefixTracker
 from kvtier.bench.report import percentile
 from kvtier.bench.server import serve_flags
-from kvtier.bench.workloads import (WORKLOADS, WorkloadConfig, build, render_text, scaled_input_length,
-                                    synth_tokens, trace)
+from kvtier.bench.workloads import (
+    WORKLOADS,
+    WorkloadConfig,
+    build,
+    render_text,
+    scaled_input_length,
+    synth_tokens,
+    trace,
+)
 
-SMALL = WorkloadConfig(system_tokens=40, question_tokens=8, user_tokens=8, reply_tokens=4, tool_tokens=24,
-                       step_tokens=6, doc_tokens=12, instruction_tokens=10, prompt_tokens=20, num_requests=12)
+SMALL = WorkloadConfig(
+    system_tokens=40,
+    question_tokens=8,
+    user_tokens=8,
+    reply_tokens=4,
+    tool_tokens=24,
+    step_tokens=6,
+    doc_tokens=12,
+    instruction_tokens=10,
+    prompt_tokens=20,
+    num_requests=12,
+)
 RECORDS = [
     {"timestamp": 1000, "input_length": 1000, "output_length": 7, "hash_ids": [1, 2]},
     {"timestamp": 3000, "input_length": 1300, "output_length": 9, "hash_ids": [1, 2, 3]},
@@ -25,8 +42,10 @@ RECORDS = [
 
 
 def _shape(sessions):
-    return [(s.session_id, s.arrival_s, [(r.prompt, r.max_tokens, r.prefix_key, r.think_s) for r in s.requests])
-            for s in sessions]
+    return [
+        (s.session_id, s.arrival_s, [(r.prompt, r.max_tokens, r.prefix_key, r.think_s) for r in s.requests])
+        for s in sessions
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(set(WORKLOADS) - {"trace"}))
@@ -51,9 +70,9 @@ def test_shared_prefix_groups_share_exactly_their_system_prompt():
     assert len(by_group) == SMALL.num_groups
     systems = set()
     for prompts in by_group.values():
-        assert len({tuple(p[:SMALL.system_tokens]) for p in prompts}) == 1
-        assert len({tuple(p[SMALL.system_tokens:]) for p in prompts}) == len(prompts)
-        systems.add(tuple(prompts[0][:SMALL.system_tokens]))
+        assert len({tuple(p[: SMALL.system_tokens]) for p in prompts}) == 1
+        assert len({tuple(p[SMALL.system_tokens :]) for p in prompts}) == len(prompts)
+        systems.add(tuple(prompts[0][: SMALL.system_tokens]))
     assert len(systems) == SMALL.num_groups
 
 
@@ -64,7 +83,7 @@ def test_multi_turn_context_grows_with_think_time():
         assert len(s.requests) == SMALL.turns
         assert s.requests[0].think_s == 0 and all(r.think_s > 0 for r in s.requests[1:])
         for prev, cur in zip(s.requests, s.requests[1:]):
-            assert cur.prompt[:len(prev.prompt)] == prev.prompt
+            assert cur.prompt[: len(prev.prompt)] == prev.prompt
             assert len(cur.prompt) == len(prev.prompt) + SMALL.reply_tokens + SMALL.user_tokens
     assert len({tuple(s.requests[0].prompt) for s in sessions}) == len(sessions)
 
@@ -73,8 +92,8 @@ def test_agent_branches_share_tools_and_first_steps_then_diverge():
     cfg = dataclasses.replace(SMALL, branches=3, shared_steps=1, turns=3)
     sessions = build("agent", cfg)
     assert len(sessions) == cfg.num_sessions * cfg.branches
-    tools = sessions[0].requests[0].prompt[:cfg.tool_tokens]
-    assert all(s.requests[0].prompt[:cfg.tool_tokens] == tools for s in sessions)
+    tools = sessions[0].requests[0].prompt[: cfg.tool_tokens]
+    assert all(s.requests[0].prompt[: cfg.tool_tokens] == tools for s in sessions)
     flow0 = [s for s in sessions if s.meta["flow"] == 0]
     # step 1's prompt (tools + task + shared step 0) is equal across branches; step 2's differs
     assert len({tuple(s.requests[1].prompt) for s in flow0}) == 1
@@ -88,8 +107,8 @@ def test_rag_documents_repeat_across_requests():
     assert all(len(set(d)) == 2 for d in docs)
     used = [d for pair in docs for d in pair]
     assert len(set(used)) < len(used)  # documents come back
-    head = sessions[0].requests[0].prompt[:cfg.instruction_tokens]
-    assert all(s.requests[0].prompt[:cfg.instruction_tokens] == head for s in sessions)
+    head = sessions[0].requests[0].prompt[: cfg.instruction_tokens]
+    assert all(s.requests[0].prompt[: cfg.instruction_tokens] == head for s in sessions)
 
 
 def test_independent_prompts_share_no_first_token_and_mixed_tags_both_kinds():
@@ -148,7 +167,7 @@ def test_trace_file_and_errors(tmp_path):
 def test_render_text_keeps_prefixes():
     a, b = [101, 5000, 7], [101, 5000, 9]
     assert render_text(a).startswith(render_text(a[:2]))
-    assert render_text(a)[:len(render_text(a[:2]))] == render_text(b)[:len(render_text(b[:2]))]
+    assert render_text(a)[: len(render_text(a[:2]))] == render_text(b)[: len(render_text(b[:2]))]
     assert render_text(a) != render_text(b)
 
 
@@ -207,9 +226,16 @@ def test_metric_deltas_and_headline():
 def test_serve_flags_round_trip_through_the_cli():
     from kvtier.cli.main import build_parser, engine_kwargs
 
-    kw = {"dtype": "float32", "block_size": 4, "num_device_blocks": 64, "host_cache_bytes": 1 << 20,
-          "enable_prefix_caching": True, "tier_faults": {"host": "latency_ms=5", "disk": "error_rate=0.1"},
-          "disk_cache_dir": "/tmp/x", "cache_write_policy": "write_back"}
+    kw = {
+        "dtype": "float32",
+        "block_size": 4,
+        "num_device_blocks": 64,
+        "host_cache_bytes": 1 << 20,
+        "enable_prefix_caching": True,
+        "tier_faults": {"host": "latency_ms=5", "disk": "error_rate=0.1"},
+        "disk_cache_dir": "/tmp/x",
+        "cache_write_policy": "write_back",
+    }
     args = build_parser().parse_args(["serve", "--model", "m", *serve_flags(kw)])
     assert engine_kwargs(args) == {k: v for k, v in kw.items() if k != "enable_prefix_caching"}
     args = build_parser().parse_args(["serve", "--model", "m", *serve_flags({"enable_prefix_caching": False})])
@@ -220,12 +246,33 @@ def test_bench_command_line_reproduces_the_flags_and_hides_keys():
     from kvtier.bench.cli import command_line
     from kvtier.cli.main import build_parser
 
-    argv = ["bench", "--url", "http://h:1", "--api-key", "sk-secret", "--workload", "trace", "--trace", "t.jsonl",
-            "--speedup", "2", "--concurrency-sweep", "1,4", "--text-prompts"]
+    argv = [
+        "bench",
+        "--url",
+        "http://h:1",
+        "--api-key",
+        "sk-secret",
+        "--workload",
+        "trace",
+        "--trace",
+        "t.jsonl",
+        "--speedup",
+        "2",
+        "--concurrency-sweep",
+        "1,4",
+        "--text-prompts",
+    ]
     args = build_parser().parse_args(argv)
     line = command_line(args)
     assert "sk-secret" not in line and "--api-key ..." in line
-    for part in ("kvtier bench", "--url http://h:1", "--workload trace", "--trace t.jsonl", "--speedup 2.0",
-                 "--concurrency-sweep 1,4", "--text-prompts"):
+    for part in (
+        "kvtier bench",
+        "--url http://h:1",
+        "--workload trace",
+        "--trace t.jsonl",
+        "--speedup 2.0",
+        "--concurrency-sweep 1,4",
+        "--text-prompts",
+    ):
         assert part in line
     assert "--output-tokens" not in line  # defaults are left out

@@ -35,7 +35,7 @@ def test_fast_tier_restores_everything():
 def test_slow_tier_recomputes_short_prefixes_but_restores_long_ones():
     # 50 ms latency, 200 MB/s: one block reads in ~1 ms; prefill is 1 ms/token.
     cm = model({"disk": 2e8}, {"disk": 0.05})
-    short = cm.decide(0, [TierRun("disk", 2)], 40)     # 32 tokens: 32 ms to recompute < 50 ms
+    short = cm.decide(0, [TierRun("disk", 2)], 40)  # 32 tokens: 32 ms to recompute < 50 ms
     long = cm.decide(0, [TierRun("disk", 127)], 2048)  # 2 s to recompute >> 0.05 + 0.12 s
     assert short.kind == "recompute" and short.num_blocks == 0
     assert long.kind == "restore" and long.num_blocks == 127

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
-from kvtier.engine.drift import DriftConfig, DriftStats, KL_BUCKETS, _sampled, divergence
+from kvtier.engine.drift import KL_BUCKETS, DriftConfig, DriftStats, _sampled, divergence
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -21,11 +21,19 @@ def prompts(n: int, length: int = 24) -> list[list[int]]:
 
 
 def make_llm(model_dir, rate: float, kv: str = "auto", **kw) -> LLM:
-    return LLM(str(model_dir), dtype="float32", num_device_blocks=96, block_size=4,
-               kv_drift_sample_rate=rate, kv_cache_dtype=kv, **kw)
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        num_device_blocks=96,
+        block_size=4,
+        kv_drift_sample_rate=rate,
+        kv_cache_dtype=kv,
+        **kw,
+    )
 
 
 # -- the math -------------------------------------------------------------------------------------
+
 
 def test_divergence_matches_closed_form():
     p = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]], dtype=torch.float64)
@@ -67,6 +75,7 @@ def test_config_rejects_a_rate_outside_0_1(byte_model_dir):
 
 
 # -- the monitor in the engine ----------------------------------------------------------------------
+
 
 def test_rate_zero_builds_no_monitor(byte_model_dir):
     llm = make_llm(byte_model_dir, 0.0)
@@ -146,8 +155,7 @@ def test_sampled_n_greater_than_one_tracks_the_first_sample(byte_model_dir):
 def test_preempted_requests_line_up_their_positions(byte_model_dir):
     """A preempted request is recomputed and resumes at its next token: every generated position
     is compared once, against the right full-precision row (auto KV: no drift)."""
-    llm = LLM(str(byte_model_dir), dtype="float32", num_device_blocks=20, block_size=4,
-              kv_drift_sample_rate=1.0)
+    llm = LLM(str(byte_model_dir), dtype="float32", num_device_blocks=20, block_size=4, kv_drift_sample_rate=1.0)
     sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts(4), sp)
     assert sum(o.num_preemptions for o in outs) > 0

@@ -22,7 +22,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     for _ in range(max_tokens):
         logits = model(torch.tensor([ids])).logits[0, -1]
         ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[int]]:
@@ -114,8 +114,9 @@ def test_n_greedy_and_seeded_sampling(tiny_model_dirs, reference_model):
     a = [c.token_ids for c in llm.generate(p, sp)[0].outputs]
     # the same seed gives the same samples, also when other requests share the batch
     other = prompts(8, [12, 5])
-    outs = llm.generate([other[0], p, other[1]], SamplingParams(n=4, max_tokens=10, temperature=1.0,
-                                                                 seed=7, ignore_eos=True))
+    outs = llm.generate(
+        [other[0], p, other[1]], SamplingParams(n=4, max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    )
     b = [c.token_ids for c in outs[1].outputs]
     assert a == b
     assert len({tuple(x) for x in a}) > 1, "parallel samples should differ"
@@ -134,8 +135,9 @@ def test_salt_isolates_cache_entries(tiny_model_dirs):
 
 
 def test_no_prefix_caching_recomputes(tiny_model_dirs):
-    llm = LLM(str(tiny_model_dirs["llama"]), dtype="float32", num_device_blocks=64, block_size=4,
-              enable_prefix_caching=False)
+    llm = LLM(
+        str(tiny_model_dirs["llama"]), dtype="float32", num_device_blocks=64, block_size=4, enable_prefix_caching=False
+    )
     p = prompts(10, [24])[0]
     llm.generate(p, GREEDY)
     assert llm.generate(p, GREEDY)[0].num_cached_tokens == 0

@@ -17,9 +17,20 @@ BS = 4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from kvtier.model.builder import build_random_llama
+
     d = tmp_path_factory.mktemp("kvq_model")
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                       vocab_size=512, max_position_embeddings=1024, dtype="float32", seed=5)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        dtype="float32",
+        seed=5,
+    )
     return d
 
 
@@ -29,8 +40,14 @@ def prompts(seed: int, n: int, length: int = 60) -> list[list[int]]:
 
 
 def engine(model_dir, kv_cache_dtype: str, **kw) -> LLM:
-    args = dict(dtype="float32", num_device_blocks=48, block_size=BS, restore_policy="always",
-                kv_cache_dtype=kv_cache_dtype, skip_tokenizer_init=True)
+    args = dict(
+        dtype="float32",
+        num_device_blocks=48,
+        block_size=BS,
+        restore_policy="always",
+        kv_cache_dtype=kv_cache_dtype,
+        skip_tokenizer_init=True,
+    )
     args.update(kw)
     return LLM(str(model_dir), **args)
 

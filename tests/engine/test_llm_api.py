@@ -6,11 +6,9 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from engineutil import clean
+
 from kvtier import LLM, SamplingParams
-
-
 
 
 def test_pool_reported(llm):
@@ -40,8 +38,9 @@ def test_chat_applies_template(llm):
     msgs = [{"role": "user", "content": "hi"}]
     out = llm.chat(msgs, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert out.prompt_token_ids == llm.tokenizer.encode("<|user|>hi</s><|assistant|>", add_special_tokens=False)
-    outs = llm.chat([msgs, msgs + [{"role": "assistant", "content": "yo"}]],
-                    SamplingParams(max_tokens=2, temperature=0))
+    outs = llm.chat(
+        [msgs, msgs + [{"role": "assistant", "content": "yo"}]], SamplingParams(max_tokens=2, temperature=0)
+    )
     assert len(outs) == 2
     clean(llm)
 
@@ -55,11 +54,13 @@ def test_stop_strings_cut_the_text(llm):
     stop = text[3:5]
     out = llm.generate("abc", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == text[:text.find(stop)]
+    assert out.text == text[: text.find(stop)]
     assert len(out.token_ids) < len(full.token_ids)
-    incl = llm.generate("abc", SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop],
-                                             include_stop_str_in_output=True))[0].outputs[0]
-    assert incl.text == text[:text.find(stop) + len(stop)]
+    incl = llm.generate(
+        "abc",
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+    )[0].outputs[0]
+    assert incl.text == text[: text.find(stop) + len(stop)]
     clean(llm)
 
 
@@ -67,7 +68,7 @@ def test_stop_token_ids_and_eos(llm):
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     toks = llm.generate("xyz", sp)[0].outputs[0].token_ids
     out = llm.generate("xyz", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[toks[4]]))[0].outputs[0]
-    assert out.token_ids == toks[:toks.index(toks[4]) + 1]
+    assert out.token_ids == toks[: toks.index(toks[4]) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == toks[4]
     clean(llm)
 
@@ -83,21 +84,29 @@ def test_logprobs(llm):
         assert lp[tok].rank == 1 and lp[tok].logprob == lp[tok]
         assert lp[tok].decoded_token == llm.tokenizer.decode([tok], skip_special_tokens=False)
         assert sorted(v.rank for v in lp.values()) == list(range(1, len(lp) + 1))
-    assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)),
-                        rel_tol=1e-5)
+    assert math.isclose(out.cumulative_logprob, sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)), rel_tol=1e-5)
 
 
 def test_sampling_knobs_are_respected(llm):
     # top_k=1 is greedy whatever the temperature
     greedy = llm.generate("k", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
-    topk1 = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.5, top_k=1, seed=3,
-                                             ignore_eos=True))[0].outputs[0].token_ids
+    topk1 = (
+        llm.generate("k", SamplingParams(max_tokens=6, temperature=1.5, top_k=1, seed=3, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert topk1 == greedy
-    tiny_p = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3,
-                                              ignore_eos=True))[0].outputs[0].token_ids
+    tiny_p = (
+        llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-6, seed=3, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert tiny_p == greedy
-    minp = llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=3,
-                                            ignore_eos=True))[0].outputs[0].token_ids
+    minp = (
+        llm.generate("k", SamplingParams(max_tokens=6, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
     assert minp == greedy
     a = llm.generate("k", SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True))[0]
     b = llm.generate("k", SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True))[0]
@@ -105,13 +114,16 @@ def test_sampling_knobs_are_respected(llm):
     clean(llm)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-1.0), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(n=0), "n must be"),
-    (dict(logprobs=99), "logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(n=0), "n must be"),
+        (dict(logprobs=99), "logprobs"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -150,6 +162,7 @@ def test_abort_frees_blocks(llm):
 
 def test_errors_for_missing_model(tmp_path):
     from kvtier.model.hf_config import ModelLoadError
+
     with pytest.raises(ModelLoadError):
         LLM(str(tmp_path / "nope"))
 

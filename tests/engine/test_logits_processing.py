@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engineutil import clean
+
 from kvtier import LLM, SamplingParams
 from kvtier.model.sampler import SampleRow, process_row
 
 
-
-
-def _vllm_penalised(logits: torch.Tensor, prompt: list[int], out: list[int], rp: float, fp: float,
-                    pp: float) -> torch.Tensor:
+def _vllm_penalised(
+    logits: torch.Tensor, prompt: list[int], out: list[int], rp: float, fp: float, pp: float
+) -> torch.Tensor:
     """vLLM's apply_penalties, written out plainly for one row."""
     logits = logits.clone()
     counts = torch.zeros_like(logits)
@@ -62,8 +61,14 @@ def test_process_row_masks():
 def test_penalised_greedy_matches_transformers(llm, byte_model_dir, reference_model, rp, fp, pp):
     model = reference_model(byte_model_dir)
     prompt = llm.tokenizer.encode("the cat sat on the mat and the cat")
-    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, repetition_penalty=rp,
-                        frequency_penalty=fp, presence_penalty=pp)
+    sp = SamplingParams(
+        max_tokens=16,
+        temperature=0.0,
+        ignore_eos=True,
+        repetition_penalty=rp,
+        frequency_penalty=fp,
+        presence_penalty=pp,
+    )
     got = llm.generate({"prompt_token_ids": prompt}, sp)[0].outputs[0].token_ids
     out: list[int] = []
     with torch.no_grad():
@@ -71,19 +76,25 @@ def test_penalised_greedy_matches_transformers(llm, byte_model_dir, reference_mo
             logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
             out.append(int(_vllm_penalised(logits, prompt, out, rp, fp, pp).argmax()))
     assert got == out
-    plain = llm.generate({"prompt_token_ids": prompt},
-                         SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[
+        0
+    ]
     assert plain.outputs[0].token_ids != got or (rp, fp, pp) == (1.0, 0.0, 0.0)
     clean(llm)
 
 
 def test_logit_bias_and_allowed_token_ids(llm):
-    a, b = llm.tokenizer.encode("a", add_special_tokens=False)[0], llm.tokenizer.encode("b", add_special_tokens=False)[0]
-    out = llm.generate("hello", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                               logit_bias={a: 100.0}))[0].outputs[0]
+    a, b = (
+        llm.tokenizer.encode("a", add_special_tokens=False)[0],
+        llm.tokenizer.encode("b", add_special_tokens=False)[0],
+    )
+    out = llm.generate("hello", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias={a: 100.0}))[
+        0
+    ].outputs[0]
     assert out.token_ids == [a] * 8 and out.text == "a" * 8
-    outs = llm.generate("hello", SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=3,
-                                                ignore_eos=True, allowed_token_ids=[a, b]))[0]
+    outs = llm.generate(
+        "hello", SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True, allowed_token_ids=[a, b])
+    )[0]
     assert all(set(c.token_ids) <= {a, b} for c in outs.outputs)
     clean(llm)
 
@@ -106,8 +117,9 @@ def test_min_tokens_masks_stop_tokens(llm):
     four tokens (vLLM masks it; it is not generated and ignored)."""
     sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     first = llm.generate("hello", sp)[0].outputs[0].token_ids[0]
-    out = llm.generate("hello", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                               stop_token_ids=[first], min_tokens=4))[0].outputs[0]
+    out = llm.generate(
+        "hello", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[first], min_tokens=4)
+    )[0].outputs[0]
     assert first not in out.token_ids[:4]
     assert len(out.token_ids) >= 4
     if out.finish_reason == "stop":
@@ -120,36 +132,45 @@ def test_stop_token_text_left_out(llm):
     ref = llm.generate("hello", sp)[0].outputs[0]
     stop = ref.token_ids[3]
     k = ref.token_ids.index(stop)
-    out = llm.generate("hello", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                               stop_token_ids=[stop]))[0].outputs[0]
+    out = llm.generate("hello", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop]))[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.token_ids == ref.token_ids[:k + 1]
+    assert out.token_ids == ref.token_ids[: k + 1]
     assert out.text == llm.tokenizer.decode(ref.token_ids[:k])
-    kept = llm.generate("hello", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
-                                                stop_token_ids=[stop], include_stop_str_in_output=True))[0]
-    assert kept.outputs[0].text == llm.tokenizer.decode(ref.token_ids[:k + 1])
+    kept = llm.generate(
+        "hello",
+        SamplingParams(
+            max_tokens=10, temperature=0.0, ignore_eos=True, stop_token_ids=[stop], include_stop_str_in_output=True
+        ),
+    )[0]
+    assert kept.outputs[0].text == llm.tokenizer.decode(ref.token_ids[: k + 1])
     clean(llm)
 
 
 def test_truncate_prompt_tokens(llm):
     ids = llm.tokenizer.encode("a fairly long prompt that will be cut down")
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=3, temperature=0.0, truncate_prompt_tokens=5))[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=3, temperature=0.0, truncate_prompt_tokens=5)
+    )[0]
     assert out.prompt_token_ids == ids[-5:]
     ref = llm.generate({"prompt_token_ids": ids[-5:]}, SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert out.outputs[0].token_ids == ref.outputs[0].token_ids
     clean(llm)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(prompt_logprobs=-3), "prompt_logprobs"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(presence_penalty=3.0), "presence_penalty"),
-    (dict(logit_bias={1: 500.0}), "logit_bias"),
-    (dict(allowed_token_ids=[]), "allowed_token_ids"),
-    (dict(bad_words=[""]), "bad_words"),
-    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(prompt_logprobs=-3), "prompt_logprobs"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(logit_bias={1: 500.0}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(bad_words=[""]), "bad_words"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ],
+)
 def test_bad_params_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -157,7 +178,7 @@ def test_bad_params_refused(kwargs, match):
 
 def test_engine_refusals_lose_nothing(llm):
     with pytest.raises(ValueError, match="logit_bias"):
-        llm.generate("hi", SamplingParams(logit_bias={10 ** 6: 1.0}))
+        llm.generate("hi", SamplingParams(logit_bias={10**6: 1.0}))
     with pytest.raises(ValueError, match="priority"):
         llm.generate(["hi", "there"], SamplingParams(max_tokens=2), priority=[0, 1])
     clean(llm)
@@ -174,15 +195,18 @@ def test_prompt_logprobs_match_transformers(byte_model_dir, reference_model):
     """Chunked (8 tokens a step), after a cache hit on the same prompt, and beside a plain
     request in the same steps: each prompt position's log-probability equals transformers'."""
     model = reference_model(byte_model_dir)
-    with LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4,
-             max_num_batched_tokens=8) as llm:
+    with LLM(str(byte_model_dir), dtype="float32", num_device_blocks=96, block_size=4, max_num_batched_tokens=8) as llm:
         ids = llm.tokenizer.encode("prompt logprobs over several chunks of text")
         with torch.no_grad():
             ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
         llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=2))  # now cached
-        outs = llm.generate([{"prompt_token_ids": ids}, "a neighbour"],
-                            [SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2),
-                             SamplingParams(max_tokens=3, temperature=0.0)])
+        outs = llm.generate(
+            [{"prompt_token_ids": ids}, "a neighbour"],
+            [
+                SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=2),
+                SamplingParams(max_tokens=3, temperature=0.0),
+            ],
+        )
         out = outs[0]
         assert outs[1].prompt_logprobs is None
         assert out.num_cached_tokens == 0  # every position computed

@@ -8,16 +8,19 @@ import json
 import re
 
 import pytest
-
 from engineutil import clean
+
 from kvtier import LLM, SamplingParams
 from kvtier.structured import StructuredOutputsParams
 
 pytest.importorskip("llguidance")
 
-SCHEMA = {"type": "object",
-          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-          "required": ["ok", "color"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +29,16 @@ def llm(byte_model_dir):
         yield llm
 
 
-
-
 def test_json_schema_greedy_and_sampled(llm):
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-    outs = llm.generate(["Answer in JSON:", "Another one:", "free text, no constraint"],
-                        [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec),
-                         SamplingParams(max_tokens=60, n=4, temperature=1.0, seed=7, structured_outputs=spec),
-                         SamplingParams(max_tokens=8, temperature=0.0)])
+    outs = llm.generate(
+        ["Answer in JSON:", "Another one:", "free text, no constraint"],
+        [
+            SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=spec),
+            SamplingParams(max_tokens=60, n=4, temperature=1.0, seed=7, structured_outputs=spec),
+            SamplingParams(max_tokens=8, temperature=0.0),
+        ],
+    )
     for out in outs[:2]:
         for c in out.outputs:
             value = json.loads(c.text)
@@ -44,14 +49,16 @@ def test_json_schema_greedy_and_sampled(llm):
     clean(llm)
 
 
-@pytest.mark.parametrize("spec,check", [
-    (StructuredOutputsParams(regex="[ab]{3}-[0-9]"), lambda t: re.fullmatch("[ab]{3}-[0-9]", t)),
-    (StructuredOutputsParams(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
-    (StructuredOutputsParams(grammar='start: "x" ("y" | "zz")'), lambda t: t in ("xy", "xzz")),
-])
+@pytest.mark.parametrize(
+    "spec,check",
+    [
+        (StructuredOutputsParams(regex="[ab]{3}-[0-9]"), lambda t: re.fullmatch("[ab]{3}-[0-9]", t)),
+        (StructuredOutputsParams(choice=["yes", "no", "maybe"]), lambda t: t in ("yes", "no", "maybe")),
+        (StructuredOutputsParams(grammar='start: "x" ("y" | "zz")'), lambda t: t in ("xy", "xzz")),
+    ],
+)
 def test_regex_choice_grammar(llm, spec, check):
-    outs = llm.generate("pick:", SamplingParams(max_tokens=20, n=3, temperature=1.0, seed=3,
-                                                structured_outputs=spec))
+    outs = llm.generate("pick:", SamplingParams(max_tokens=20, n=3, temperature=1.0, seed=3, structured_outputs=spec))
     for c in outs[0].outputs:
         assert check(c.text), c.text
     clean(llm)
@@ -61,13 +68,21 @@ def test_disable_additional_properties_closes_objects():
     from kvtier.structured import _closed
 
     assert _closed({"type": "object", "properties": {"a": {"type": "object"}}}) == {
-        "type": "object", "additionalProperties": False,
-        "properties": {"a": {"type": "object", "additionalProperties": False}}}
+        "type": "object",
+        "additionalProperties": False,
+        "properties": {"a": {"type": "object", "additionalProperties": False}},
+    }
 
 
 def test_json_object_starts_an_object(llm):
-    out = llm.generate("obj:", SamplingParams(max_tokens=12, temperature=0.0,
-                                              structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True)))[0]
+    out = llm.generate(
+        "obj:",
+        SamplingParams(
+            max_tokens=12,
+            temperature=0.0,
+            structured_outputs=StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+        ),
+    )[0]
     assert out.outputs[0].text.startswith("{")
     clean(llm)
 

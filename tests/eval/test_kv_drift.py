@@ -27,9 +27,19 @@ def model_and_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 
     d = tmp_path_factory.mktemp("eval_model")
     vocab = build_byte_tokenizer(d)
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                       vocab_size=vocab, max_position_embeddings=128, dtype="float32", bos_token_id=256,
-                       eos_token_id=257)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        dtype="float32",
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     text = d / "text.txt"
     text.write_text("a cache of keys and values, kept in blocks, read by every step. " * 4)
     return d, text
@@ -37,8 +47,11 @@ def model_and_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 
 def config(model_and_text, **kw) -> EvalKVConfig:
     model, text = model_and_text
-    return EvalKVConfig(model=str(model), text=str(text), **{
-        "context_lengths": LENGTHS, "score_tokens": SCORE, "num_windows": 2, "block_size": 4, **kw})
+    return EvalKVConfig(
+        model=str(model),
+        text=str(text),
+        **{"context_lengths": LENGTHS, "score_tokens": SCORE, "num_windows": 2, "block_size": 4, **kw},
+    )
 
 
 def test_reference_scores_the_documented_positions(model_and_text):
@@ -94,8 +107,7 @@ def test_config_and_text_errors(model_and_text, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("too short for a window of 100 tokens")
     with pytest.raises(ValueError, match="longer text"):
-        evaluate_kv(EvalKVConfig(model=str(model_and_text[0]), text=str(short), context_lengths=(100,),
-                                 score_tokens=8))
+        evaluate_kv(EvalKVConfig(model=str(model_and_text[0]), text=str(short), context_lengths=(100,), score_tokens=8))
     with pytest.raises(ValueError, match="positions"):
         evaluate_kv(config(model_and_text, context_lengths=(500,), score_tokens=8))
 
@@ -103,15 +115,34 @@ def test_config_and_text_errors(model_and_text, tmp_path):
 def test_cli_json_and_plot(model_and_text, tmp_path, capsys):
     model, text = model_and_text
     png = tmp_path / "drift.png"
-    argv = ["eval-kv", "--model", str(model), "--text", str(text), "--kv-dtypes", "int8",
-            "--context-lengths", "24,40", "--score-tokens", "8", "--num-windows", "1", "--block-size", "4",
-            "--json"]
+    argv = [
+        "eval-kv",
+        "--model",
+        str(model),
+        "--text",
+        str(text),
+        "--kv-dtypes",
+        "int8",
+        "--context-lengths",
+        "24,40",
+        "--score-tokens",
+        "8",
+        "--num-windows",
+        "1",
+        "--block-size",
+        "4",
+        "--json",
+    ]
     if importlib.util.find_spec("matplotlib") is not None:
         argv += ["--plot", str(png)]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert [(r["kv_dtype"], r["context_length"]) for r in out["rows"]] == [
-        ("float32", 24), ("float32", 40), ("int8", 24), ("int8", 40)]
+        ("float32", 24),
+        ("float32", 40),
+        ("int8", 24),
+        ("int8", 40),
+    ]
     assert out["config"]["score_tokens"] == 8 and out["num_windows"] == 1
     if "--plot" in argv:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

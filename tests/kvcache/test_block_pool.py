@@ -13,8 +13,9 @@ def refs(pool: BlockPool) -> list[int]:
     return [b.ref_cnt for b in pool.blocks]
 
 
-def cache_chain(pool: BlockPool, block_ids: list[int], first_token: int = 1, bs: int = 2,
-                root: bytes = ROOT) -> list[bytes]:
+def cache_chain(
+    pool: BlockPool, block_ids: list[int], first_token: int = 1, bs: int = 2, root: bytes = ROOT
+) -> list[bytes]:
     """Register `block_ids` as one chain of full blocks; returns their keys."""
     keys, parent = [], root
     for i, b in enumerate(block_ids):

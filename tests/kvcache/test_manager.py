@@ -16,8 +16,14 @@ def refs(m: KVCacheManager) -> dict[int, int]:
 
 
 def snapshot(m: KVCacheManager) -> tuple:
-    return ([(b.ref_cnt, b.key) for b in m.pool.blocks], list(m.pool._free), sorted(n.key for n in m.index.nodes()),
-            m.live_references(), {r: list(s.block_ids) for r, s in m._reqs.items()}, m.num_free_blocks)
+    return (
+        [(b.ref_cnt, b.key) for b in m.pool.blocks],
+        list(m.pool._free),
+        sorted(n.key for n in m.index.nodes()),
+        m.live_references(),
+        {r: list(s.block_ids) for r, s in m._reqs.items()},
+        m.num_free_blocks,
+    )
 
 
 def admit(m: KVCacheManager, req_id: str, tokens: list[int], root: bytes = ROOT) -> list[int]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.kvcache import (LFUPolicy, LRUPolicy, PrefixIndex, block_key, chain_keys, hash_id_key,
-                            make_policy, root_key)
+from kvtier.kvcache import LFUPolicy, LRUPolicy, PrefixIndex, block_key, chain_keys, hash_id_key, make_policy, root_key
 
 ROOT = root_key(b"test-model")
 
 
-def insert_chain(index: PrefixIndex, blocks: list[list[int]], first_block_id: int = 0,
-                 root: bytes = ROOT) -> list[bytes]:
+def insert_chain(
+    index: PrefixIndex, blocks: list[list[int]], first_block_id: int = 0, root: bytes = ROOT
+) -> list[bytes]:
     keys, parent = [], root
     for i, tokens in enumerate(blocks):
         key = block_key(parent, tokens)
@@ -23,8 +23,15 @@ def insert_chain(index: PrefixIndex, blocks: list[list[int]], first_block_id: in
 
 # ---------------------------------------------------------------------- keys
 def test_root_keys_separate_models_and_salts() -> None:
-    roots = [root_key(b"m1"), root_key(b"m2"), root_key(b"m1", "alice"), root_key(b"m1", "bob"),
-             root_key(b"m1", ""), root_key(b"m1\x01salt\x00x"), root_key(b"m1", "x")]
+    roots = [
+        root_key(b"m1"),
+        root_key(b"m2"),
+        root_key(b"m1", "alice"),
+        root_key(b"m1", "bob"),
+        root_key(b"m1", ""),
+        root_key(b"m1\x01salt\x00x"),
+        root_key(b"m1", "x"),
+    ]
     assert len(set(roots)) == len(roots)
     assert root_key(b"m1", "alice") == root_key(b"m1", "alice")
 

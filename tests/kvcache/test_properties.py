@@ -16,8 +16,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvtier.kvcache import (BlockPool, KVCacheManager, NoFreeBlocksError, PrefixIndex, block_key,
-                            chain_keys, hash_id_key, root_key)
+from kvtier.kvcache import (
+    BlockPool,
+    KVCacheManager,
+    NoFreeBlocksError,
+    PrefixIndex,
+    chain_keys,
+    hash_id_key,
+    root_key,
+)
 from kvtier.sched.output import BlockCopy
 
 ROOTS = [root_key(b"model-a"), root_key(b"model-a", "salt")]
@@ -26,8 +33,12 @@ TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)
 # divergence, and identical prompts admitted in the same step (duplicate blocks).
 BASE = st.integers(-1, 99)
 KEEP = st.sampled_from([0.0, 0.3, 0.5, 0.8, 1.0, 1.0])
-SETTINGS = settings(max_examples=150, stateful_step_count=50, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -43,7 +54,7 @@ def prompt(history: list[list[int]], base: int, keep: float, tokens: list[int]) 
         out = tokens
     else:
         old = pick(history, base)
-        out = old[:round(keep * len(old))] + tokens[:2 if keep == 1.0 else len(tokens)]
+        out = old[: round(keep * len(old))] + tokens[: 2 if keep == 1.0 else len(tokens)]
         out = out if keep < 1.0 or base % 3 else old  # the same prompt again
     history.append(out)
     return out
@@ -75,7 +86,7 @@ class PoolIndexMachine(RuleBasedStateMachine):
             return chain_keys(req.root, req.tokens, self.bs, num_blocks=num_blocks)
         keys, parent = [], req.root
         for i in range(min(num_blocks, len(req.tokens) // self.bs)):
-            hid = int("".join(map(str, req.tokens[i * self.bs:(i + 1) * self.bs])), 3)
+            hid = int("".join(map(str, req.tokens[i * self.bs : (i + 1) * self.bs])), 3)
             parent = hash_id_key(parent, hid)
             keys.append(parent)
         return keys
@@ -105,7 +116,7 @@ class PoolIndexMachine(RuleBasedStateMachine):
         index = self.pool.index
         for i in range(start, end):
             parent = keys[i - 1] if i else req.root
-            tokens = None if req.by_ids else req.tokens[i * self.bs:(i + 1) * self.bs]
+            tokens = None if req.by_ids else req.tokens[i * self.bs : (i + 1) * self.bs]
             expect = keys[i] not in index and (i == 0 or parent in index)
             assert self.pool.cache_block(req.block_ids[i], keys[i], parent, tokens, i == 0) == expect
             if expect:
@@ -118,11 +129,11 @@ class PoolIndexMachine(RuleBasedStateMachine):
         req = PoolReq(root, tokens, by_ids)
         num_blocks = cdiv(len(tokens), self.bs)
         keys = self.keys_of(req, num_blocks)
-        hits = self.pool.index.match_keys(keys[:(len(tokens) - 1) // self.bs])
+        hits = self.pool.index.match_keys(keys[: (len(tokens) - 1) // self.bs])
         for node in hits:
             assert node.key in self.ever_cached
             if not by_ids:
-                assert node.tokens == tuple(tokens[len(req.block_ids) * self.bs:][:self.bs])
+                assert node.tokens == tuple(tokens[len(req.block_ids) * self.bs :][: self.bs])
             self.pool.ref(node.block_id)
             self.pool.index.record_hit(node)
             req.block_ids.append(node.block_id)
@@ -213,7 +224,7 @@ def common(a, b) -> int:
 
 def kv(root: bytes, tokens: list[int], pos: int) -> Slot:
     """What the KV of `tokens[pos]` depends on: the model/salt and every token up to it."""
-    return root, tuple(tokens[:pos + 1])
+    return root, tuple(tokens[: pos + 1])
 
 
 @dataclass
@@ -246,8 +257,13 @@ class ManagerMachine(RuleBasedStateMachine):
 
     def snapshot(self) -> tuple:
         m = self.m
-        return ([(b.ref_cnt, b.key) for b in m.pool.blocks], m.num_free_blocks, m.live_references(),
-                sorted(n.key for n in m.index.nodes()), {r: list(m.block_ids(r)) for r in self.reqs})
+        return (
+            [(b.ref_cnt, b.key) for b in m.pool.blocks],
+            m.num_free_blocks,
+            m.live_references(),
+            sorted(n.key for n in m.index.nodes()),
+            {r: list(m.block_ids(r)) for r in self.reqs},
+        )
 
     def compute(self, rid: str) -> None:
         """Run the request's uncomputed tokens through the 'model' and cache its full blocks."""
@@ -263,7 +279,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.cache_blocks(rid, req.tokens, req.num_computed)
         keys = chain_keys(req.root, req.tokens, bs)
         for j, key in enumerate(keys):
-            self.known[key] = (req.root, tuple(req.tokens[:(j + 1) * bs]))
+            self.known[key] = (req.root, tuple(req.tokens[: (j + 1) * bs]))
         # Right after cache_blocks, every full block of the request is cached (by it or an equal copy).
         assert len(self.m.index.match_keys(keys)) == len(keys)
 
@@ -273,26 +289,26 @@ class ManagerMachine(RuleBasedStateMachine):
         n = match.num_cached_tokens(bs)
         assert n < max(len(tokens), 1), "the last prompt token must be computed"
         keys = chain_keys(root, tokens, bs)
-        assert match.keys == keys[:len(match.block_ids)]
+        assert match.keys == keys[: len(match.block_ids)]
         # Longest: every cached full block within tokens[:-1] is matched.
         assert len(match.block_ids) == min(len(m.index.match_keys(keys)), max(len(tokens) - 1, 0) // bs)
         for j, b in enumerate(match.block_ids):
             node = m.index.get(m.pool.blocks[b].key)
-            assert node.tokens == tuple(tokens[j * bs:(j + 1) * bs])
+            assert node.tokens == tuple(tokens[j * bs : (j + 1) * bs])
             assert self.shadow[b] == [kv(root, tokens, j * bs + s) for s in range(bs)]
         # Longest partial: no cached child of the last matched block shares more tokens.
         start = len(match.block_ids) * bs
         parent = keys[len(match.block_ids) - 1] if match.block_ids else root
-        rest = tokens[start:min(len(tokens) - 1, start + bs)]
+        rest = tokens[start : min(len(tokens) - 1, start + bs)]
         best = max((common(n.tokens, rest) for n in m.index.nodes() if n.parent == parent and n.tokens), default=0)
         assert match.partial_tokens == best
         if match.partial_src is not None:
             start, src = len(match.block_ids) * bs, match.partial_src
             assert 0 < match.partial_tokens < bs
             node = m.index.get(m.pool.blocks[src].key)
-            assert node.tokens[:match.partial_tokens] == tuple(tokens[start:n])
+            assert node.tokens[: match.partial_tokens] == tuple(tokens[start:n])
             assert node.parent == (keys[len(match.block_ids) - 1] if match.block_ids else root)
-            assert self.shadow[src][:match.partial_tokens] == [kv(root, tokens, p) for p in range(start, n)]
+            assert self.shadow[src][: match.partial_tokens] == [kv(root, tokens, p) for p in range(start, n)]
         return match
 
     # ------------------------------------------------------------------ rules
@@ -318,7 +334,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.snapshot() == before
             return False
         table = list(m.block_ids(rid))
-        assert table[:len(match.block_ids)] == match.block_ids
+        assert table[: len(match.block_ids)] == match.block_ids
         assert len(table) == cdiv(len(tokens), bs)
         self.reqs[rid] = Req(root, list(tokens), n, table)
         if match.partial_src is not None:
@@ -343,7 +359,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.free(i + 1)  # preempt someone (maybe this request)
             return
         table = list(self.m.block_ids(rid))
-        assert table[:len(req.block_ids)] == req.block_ids
+        assert table[: len(req.block_ids)] == req.block_ids
         assert len(table) == cdiv(len(req.tokens) + len(extra), self.bs)
         req.block_ids = table
         req.tokens = req.tokens + extra
@@ -388,8 +404,8 @@ class ManagerMachine(RuleBasedStateMachine):
         for cs in self.pending.values():
             for c, content in cs:
                 assert m.pool.blocks[c.src_block].ref_cnt > 0, "copy source not locked"
-                assert self.shadow[c.src_block][:c.num_tokens] == content, "copy source was overwritten"
-                self.shadow[c.dst_block][:c.num_tokens] = content
+                assert self.shadow[c.src_block][: c.num_tokens] == content, "copy source was overwritten"
+                self.shadow[c.dst_block][: c.num_tokens] = content
         self.in_flight += copies
         self.pending.clear()
         for req in self.reqs.values():

@@ -15,8 +15,9 @@ from kvtier.model import attention, native
 from kvtier.model.attention import TorchPagedAttention
 from kvtier.sched.output import ScheduledSeq
 
-needs_kernel = pytest.mark.skipif(native.chunk_attention_lib() is None,
-                                  reason="no native chunk attention here (needs a C compiler and AVX512-BF16)")
+needs_kernel = pytest.mark.skipif(
+    native.chunk_attention_lib() is None, reason="no native chunk attention here (needs a C compiler and AVX512-BF16)"
+)
 
 
 VARIANTS = [attention.CHUNK_DPBF16, attention.CHUNK_FMA]  # bf16 dot products, float32 FMAs
@@ -53,8 +54,9 @@ def chunk(backend: TorchPagedAttention, n: int, start: int, block_size: int, dty
     num_blocks = num_table + 7
     pool = torch.randn(2, backend.num_kv_heads, num_blocks, block_size, backend.head_dim, generator=g).to(dtype)
     table = torch.randperm(num_blocks, generator=g)[:num_table].tolist()
-    meta = backend.build_metadata([ScheduledSeq("r", list(range(n)), start, table, True)], block_size,
-                                  torch.device("cpu"))
+    meta = backend.build_metadata(
+        [ScheduledSeq("r", list(range(n)), start, table, True)], block_size, torch.device("cpu")
+    )
     q = torch.randn(n, backend.num_heads, backend.head_dim, generator=g).to(dtype)
     k = torch.randn(n, backend.num_kv_heads, backend.head_dim, generator=g).to(dtype)
     v = torch.randn(n, backend.num_kv_heads, backend.head_dim, generator=g).to(dtype)
@@ -69,8 +71,9 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("n,start", [(1, 0), (2, 0), (5, 3), (16, 0), (17, 16), (40, 7), (64, 333), (300, 1000),
-                                     (14, 2042)])
+@pytest.mark.parametrize(
+    "n,start", [(1, 0), (2, 0), (5, 3), (16, 0), (17, 16), (40, 7), (64, 333), (300, 1000), (14, 2042)]
+)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
     backend = TorchPagedAttention(12, 4, 64)
@@ -87,8 +90,10 @@ def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
 
 
 @needs_kernel
-@pytest.mark.parametrize("heads,kv_heads,dim,block_size", [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16),
-                                                           (32, 8, 64, 48), (6, 2, 256, 16)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block_size",
+    [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16), (32, 8, 64, 48), (6, 2, 256, 16)],
+)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size, variant):
     backend = TorchPagedAttention(heads, kv_heads, dim)

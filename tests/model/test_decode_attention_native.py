@@ -13,15 +13,17 @@ from kvtier.model.attention import TorchPagedAttention
 from kvtier.model.kv_quant import QuantizedKVCache, resolve_kv_dtype
 from kvtier.sched.output import ScheduledSeq
 
-pytestmark = pytest.mark.skipif(native.paged_attention_lib() is None,
-                                reason="no native decode attention here (needs a C compiler and AVX-512)")
+pytestmark = pytest.mark.skipif(
+    native.paged_attention_lib() is None, reason="no native decode attention here (needs a C compiler and AVX-512)"
+)
 
 KV_DTYPES = ["auto", "bfloat16", "fp8_e4m3", "fp8_e5m2", "int8", "int8_rot", "int8_tok", "fp8_e4m3_rot"]
 LENGTHS = [1, 3, 16, 17, 40, 333]
 
 
-def make_cache(name: str, model_dtype: torch.dtype, heads: int, num_blocks: int, block_size: int, dim: int,
-               seed: int) -> torch.Tensor | QuantizedKVCache:
+def make_cache(
+    name: str, model_dtype: torch.dtype, heads: int, num_blocks: int, block_size: int, dim: int, seed: int
+) -> torch.Tensor | QuantizedKVCache:
     """A pool of random K/V: [2, heads, num_blocks, block_size, dim], per-block scales that vary."""
     g = torch.Generator().manual_seed(seed)
     spec = resolve_kv_dtype(name, model_dtype)
@@ -38,8 +40,15 @@ def make_cache(name: str, model_dtype: torch.dtype, heads: int, num_blocks: int,
     return QuantizedKVCache(codes, scales, spec)
 
 
-def decode_both(backend: TorchPagedAttention, cache, lengths: list[int], block_size: int, num_blocks: int,
-                q_dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_both(
+    backend: TorchPagedAttention,
+    cache,
+    lengths: list[int],
+    block_size: int,
+    num_blocks: int,
+    q_dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(num_blocks, generator=g).tolist()
     seqs = []
@@ -73,8 +82,9 @@ def test_matches_sdpa_for_every_kv_dtype(name, q_dtype):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
-                         [(4, 4, 32, 16), (8, 2, 16, 4), (16, 1, 128, 32), (6, 3, 48, 8)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "block_size"), [(4, 4, 32, 16), (8, 2, 16, 4), (16, 1, 128, 32), (6, 3, 48, 8)]
+)
 @pytest.mark.parametrize("name", ["auto", "fp8_e4m3", "int8"])
 def test_matches_sdpa_across_groups_head_dims_and_block_sizes(name, heads, kv_heads, dim, block_size):
     backend = TorchPagedAttention(num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)

@@ -93,20 +93,24 @@ def test_mixed_batch_of_prefill_chunks_and_decodes_matches_transformers(family, 
     tables = {"a": blocks_for(len(long_prompt), rng, pool)}
     tables |= {r: blocks_for(len(p) + 1, rng, pool) for r, p in prompts.items()}
 
-    first = runner.execute(step(
-        ScheduledSeq("a", long_prompt[:6], 0, tables["a"], sample=False),
-        *(ScheduledSeq(r, p, 0, tables[r], sample=True) for r, p in prompts.items()),
-    ))
+    first = runner.execute(
+        step(
+            ScheduledSeq("a", long_prompt[:6], 0, tables["a"], sample=False),
+            *(ScheduledSeq(r, p, 0, tables[r], sample=True) for r, p in prompts.items()),
+        )
+    )
     assert first.shape[0] == 3
-    for row, (r, p) in enumerate(prompts.items()):
+    for row, (_r, p) in enumerate(prompts.items()):
         torch.testing.assert_close(first[row], hf_logits(reference_model, model_dir, p)[-1], atol=ATOL, rtol=0)
 
-    second = runner.execute(step(
-        ScheduledSeq("b", [next_tokens["b"]], len(prompts["b"]), tables["b"], sample=True),
-        ScheduledSeq("a", long_prompt[6:], 6, tables["a"], sample=True),
-        ScheduledSeq("c", [next_tokens["c"]], len(prompts["c"]), tables["c"], sample=False),
-        ScheduledSeq("d", [next_tokens["d"]], len(prompts["d"]), tables["d"], sample=True),
-    ))
+    second = runner.execute(
+        step(
+            ScheduledSeq("b", [next_tokens["b"]], len(prompts["b"]), tables["b"], sample=True),
+            ScheduledSeq("a", long_prompt[6:], 6, tables["a"], sample=True),
+            ScheduledSeq("c", [next_tokens["c"]], len(prompts["c"]), tables["c"], sample=False),
+            ScheduledSeq("d", [next_tokens["d"]], len(prompts["d"]), tables["d"], sample=True),
+        )
+    )
     assert second.shape[0] == 3
     expected = [
         hf_logits(reference_model, model_dir, prompts["b"] + [next_tokens["b"]])[-1],
@@ -129,14 +133,20 @@ def test_block_copy_of_partial_block_continues_like_transformers(family, tiny_mo
     runner.execute(step(ScheduledSeq("a", a_ids, 0, a_table, sample=True)))
     b_table = [5, 17, 29, 11]
     runner.kv_pool[:, :, :, 29].fill_(3.0)  # stale data that the copy must overwrite (slots 0..1)
-    logits = runner.execute(step(
-        ScheduledSeq("b", b_ids[10:], 10, b_table, sample=True),
-        copies=[BlockCopy(src_block=3, dst_block=29, num_tokens=2)],
-    ))
+    logits = runner.execute(
+        step(
+            ScheduledSeq("b", b_ids[10:], 10, b_table, sample=True),
+            copies=[BlockCopy(src_block=3, dst_block=29, num_tokens=2)],
+        )
+    )
     torch.testing.assert_close(logits[0], hf_logits(reference_model, model_dir, b_ids)[-1], atol=ATOL, rtol=0)
     # A's block is untouched by B's writes
-    torch.testing.assert_close(runner.execute(step(ScheduledSeq("a", [1], 13, a_table, sample=True)))[0],
-                               hf_logits(reference_model, model_dir, a_ids + [1])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        runner.execute(step(ScheduledSeq("a", [1], 13, a_table, sample=True)))[0],
+        hf_logits(reference_model, model_dir, a_ids + [1])[-1],
+        atol=ATOL,
+        rtol=0,
+    )
 
 
 def test_blocks_restored_into_other_ids_give_bit_identical_logits(tiny_llama_dir):
@@ -178,8 +188,10 @@ def test_bfloat16_prefill_and_decode_stay_close_to_float32(family, tiny_model_di
     first = runner.execute(step(ScheduledSeq("a", ids, 0, list(range(6)), sample=True)))
     second = runner.execute(step(ScheduledSeq("a", [3], 21, list(range(6)), sample=True)))
     assert first.dtype == second.dtype == torch.float32
-    for logits, ref in ((first[0], hf_logits(reference_model, model_dir, ids)[-1]),
-                        (second[0], hf_logits(reference_model, model_dir, ids + [3])[-1])):
+    for logits, ref in (
+        (first[0], hf_logits(reference_model, model_dir, ids)[-1]),
+        (second[0], hf_logits(reference_model, model_dir, ids + [3])[-1]),
+    ):
         assert torch.isfinite(logits).all()
         assert (logits - ref).abs().max() < 0.1 * ref.abs().max()
 
@@ -191,11 +203,14 @@ def test_packed_projection_weights_give_identical_bf16_logits(tiny_model_dirs, m
     monkeypatch.setenv(linear.PLAN_ENV, "onednn")  # not the measured plan: oneDNN at every size
     packed = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8)
     monkeypatch.setenv(linear.PLAN_ENV, "dense")
-    plain = ModelRunner(model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8,
-                        pack_weights=False)
+    plain = ModelRunner(
+        model_dir, dtype="bfloat16", device="cpu", block_size=BLOCK_SIZE, num_blocks=8, pack_weights=False
+    )
     assert packed.model.layers[0].self_attn.qkv_proj.packed_weight is not None
     assert plain.model.layers[0].self_attn.qkv_proj.packed_weight is None
     ids = prompt(9, 13)
-    for runner_step in (step(ScheduledSeq("a", ids, 0, [0, 1, 2, 3], sample=True)),
-                        step(ScheduledSeq("a", [5], 13, [0, 1, 2, 3], sample=True))):
+    for runner_step in (
+        step(ScheduledSeq("a", ids, 0, [0, 1, 2, 3], sample=True)),
+        step(ScheduledSeq("a", [5], 13, [0, 1, 2, 3], sample=True)),
+    ):
         assert torch.equal(packed.execute(runner_step), plain.execute(runner_step))

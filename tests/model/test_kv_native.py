@@ -17,8 +17,10 @@ from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 QUANTIZED = ["fp8_e4m3", "fp8_e5m2", "int8"]
 HEADS, NUM_BLOCKS, BS, DIM = 3, 12, 8, 16
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler: the native kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason="no C compiler: the native kernels cannot be built here",
+)
 
 
 def test_the_kernels_build_and_load_on_this_machine():
@@ -42,7 +44,8 @@ def pair(name: str, static: tuple[float, float] | None = None) -> tuple[Quantize
 
 def same_state(a: QuantizedKVCache, b: QuantizedKVCache) -> bool:
     return torch.equal(a.data.view(torch.int8), b.data.view(torch.int8)) and torch.equal(
-        a.scales.view(torch.int32), b.scales.view(torch.int32))
+        a.scales.view(torch.int32), b.scales.view(torch.int32)
+    )
 
 
 def as_model_rows(x: torch.Tensor) -> torch.Tensor:
@@ -167,8 +170,15 @@ def test_rounding_matches_torch_at_every_grid_point_and_tie(name):
         grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(spec.storage).float()
         grid = grid[torch.isfinite(grid)].sort().values
     mid = (grid[1:] + grid[:-1]) / 2
-    values = torch.cat([grid, mid, torch.nextafter(mid, mid + 1), torch.nextafter(mid, mid - 1),
-                        torch.tensor([spec.qmax * 1.01, -spec.qmax * 3, 1e-45, -1e-45, 0.0, -0.0])])
+    values = torch.cat(
+        [
+            grid,
+            mid,
+            torch.nextafter(mid, mid + 1),
+            torch.nextafter(mid, mid - 1),
+            torch.tensor([spec.qmax * 1.01, -spec.qmax * 3, 1e-45, -1e-45, 0.0, -0.0]),
+        ]
+    )
     values = values[torch.randperm(values.numel(), generator=torch.Generator().manual_seed(0))]
     num_tokens = values.numel() // (HEADS * DIM)
     k = values[: num_tokens * HEADS * DIM].view(num_tokens, HEADS, DIM)
@@ -207,8 +217,9 @@ def test_block_lists_move_the_same_bytes_as_one_block_at_a_time(tiny_llama_dir, 
     assert torch.equal(dst.kv_pool.view(torch.uint8), ref.kv_pool.view(torch.uint8))
     if dst.kv_scales is not None:
         assert torch.equal(dst.kv_scales, ref.kv_scales)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-               for a, b in zip(dst.read_block_list(targets), singles))
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(dst.read_block_list(targets), singles)
+    )
 
     with pytest.raises(IndexError):
         dst.write_block_list([32], listed[:1])

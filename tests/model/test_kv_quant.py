@@ -161,8 +161,9 @@ def test_unchanged_scale_rewrites_earlier_tokens_to_the_same_bytes(name):
 
 
 def make_runner(model_dir: Path, kv_cache_dtype: str, num_blocks: int = 48) -> ModelRunner:
-    return ModelRunner(model_dir, dtype="float32", device="cpu", block_size=BS, num_blocks=num_blocks,
-                       kv_cache_dtype=kv_cache_dtype)
+    return ModelRunner(
+        model_dir, dtype="float32", device="cpu", block_size=BS, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+    )
 
 
 def prefill(runner: ModelRunner, ids: list[int], blocks: list[int]) -> torch.Tensor:
@@ -174,8 +175,9 @@ def decode(runner: ModelRunner, token: int, pos: int, blocks: list[int]) -> torc
 
 
 def test_pool_bytes_hold_at_least_1_9x_the_tokens_of_bfloat16_scales_included(tiny_llama_dir):
-    bf16 = ModelRunner(tiny_llama_dir, dtype="float32", block_size=16, kv_cache_bytes=8 << 20,
-                       kv_cache_dtype="bfloat16")
+    bf16 = ModelRunner(
+        tiny_llama_dir, dtype="float32", block_size=16, kv_cache_bytes=8 << 20, kv_cache_dtype="bfloat16"
+    )
     for name in QUANTIZED:
         q = ModelRunner(tiny_llama_dir, dtype="float32", block_size=16, kv_cache_bytes=8 << 20, kv_cache_dtype=name)
         assert q.kv_pool.element_size() == 1
@@ -212,7 +214,15 @@ def test_quantized_runner_stays_close_to_full_precision(tiny_llama_dir, name):
     blocks = list(range(8))
     want = [prefill(ref, ids, blocks)] + [decode(ref, 7 + i, len(ids) + i, blocks) for i in range(4)]
     got = [prefill(q, ids, blocks)] + [decode(q, 7 + i, len(ids) + i, blocks) for i in range(4)]
-    tol = {"bfloat16": 0.02, "fp8_e4m3": 0.1, "int8": 0.1, "fp8_e5m2": 0.2, "int8_rot": 0.1, "int8_tok": 0.1, "fp8_e4m3_rot": 0.1}[name]
+    tol = {
+        "bfloat16": 0.02,
+        "fp8_e4m3": 0.1,
+        "int8": 0.1,
+        "fp8_e5m2": 0.2,
+        "int8_rot": 0.1,
+        "int8_tok": 0.1,
+        "fp8_e4m3_rot": 0.1,
+    }[name]
     for w, g in zip(want, got):
         assert (w - g).abs().max() <= tol * w.abs().max()
         assert torch.isfinite(g).all()
@@ -302,6 +312,7 @@ def test_static_scales_of_some_layers_only_are_an_error(tiny_llama_dir, tmp_path
 
 # -- rotated dtypes ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dim", [64, 128, 96, 80])
 def test_hadamard_is_orthonormal_and_symmetric(dim):
     h = hadamard(dim)
@@ -353,10 +364,10 @@ def test_per_token_scales_quantize_each_token_once_to_its_own_range(tiny_llama_d
     rotated = small.float() @ cache.rotation
     assert torch.equal(scales[0, 0, 0, 0], (rotated.abs().amax() / 127).half())
     back = cache.gather(torch.tensor([0]), torch.float32)[0, 0, 0, 0]
-    assert (back - small[0, 0]).abs().max() <= 0.6 * rotated.abs().amax() / 127 * 16 ** 0.5
+    assert (back - small[0, 0]).abs().max() <= 0.6 * rotated.abs().amax() / 127 * 16**0.5
     runner8, runner_tok = make_runner(tiny_llama_dir, "int8"), make_runner(tiny_llama_dir, "int8_tok")
     rows = runner8.kv_data_bytes_per_block // (BS * runner8.arch.head_dim)  # layers x K/V x KV heads
-    assert runner8.kv_scale_bytes_per_block == rows * 4           # one float32 per block
-    assert runner_tok.kv_scale_bytes_per_block == rows * BS * 2   # one float16 per token
+    assert runner8.kv_scale_bytes_per_block == rows * 4  # one float32 per block
+    assert runner_tok.kv_scale_bytes_per_block == rows * BS * 2  # one float16 per token
     assert runner_tok.kv_data_bytes_per_block == runner8.kv_data_bytes_per_block
     # at block size 16 and head dim 64: (16 * 64 + 16 * 2) / (16 * 64 + 4) = 1,056 / 1,028 = 1.027

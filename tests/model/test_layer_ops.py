@@ -17,8 +17,9 @@ from kvtier.model.llama import RMSNorm, RotaryEmbedding, apply_rope
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
-needs_kernels = pytest.mark.skipif(native.layer_ops_lib() is None,
-                                   reason="no native layer ops here (needs a C compiler and AVX-512)")
+needs_kernels = pytest.mark.skipif(
+    native.layer_ops_lib() is None, reason="no native layer ops here (needs a C compiler and AVX-512)"
+)
 
 
 def assert_bf16_equalish(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 1e-3) -> None:
@@ -44,7 +45,7 @@ def test_add_rms_norm_matches_add_then_norm(rows):
     want = norm(want_res)
     got_res = res.clone()
     got = layer_ops.add_rms_norm(x, got_res, norm.weight, norm.eps)
-    assert torch.equal(got_res, want_res)                    # the add rounds once, as torch's
+    assert torch.equal(got_res, want_res)  # the add rounds once, as torch's
     assert_bf16_equalish(got, want)
     assert_bf16_equalish(layer_ops.add_rms_norm(x, None, norm.weight, norm.eps), norm(x))
     # RMSNorm.add_norm: the same pair either way
@@ -68,7 +69,7 @@ def test_rope_in_place_matches_apply_rope_on_a_strided_view():
     v_before = qkv[:, 16 * 64 :].clone()
     got = apply_rope(qk, cos, sin)
     assert got.data_ptr() == qkv.data_ptr()  # in place
-    assert torch.equal(got, want)            # every rounding where torch's are
+    assert torch.equal(got, want)  # every rounding where torch's are
     assert torch.equal(qkv[:, 16 * 64 :], v_before)
 
 
@@ -82,11 +83,11 @@ def test_silu_mul_matches_torch():
 @needs_kernels
 def test_sizes_and_dtypes_they_do_not_take_fall_back():
     w = torch.ones(40, dtype=torch.bfloat16)
-    assert layer_ops.add_rms_norm(_bf16(2, 40, seed=6), None, w, 1e-5) is None       # 40 % 16
+    assert layer_ops.add_rms_norm(_bf16(2, 40, seed=6), None, w, 1e-5) is None  # 40 % 16
     assert layer_ops.add_rms_norm(_bf16(2, 64, seed=6).float(), None, torch.ones(64), 1e-5) is None
     assert layer_ops.silu_mul(_bf16(2, 2 * 40, seed=7), 40) is None
     cos = torch.ones(2, 1, 12, dtype=torch.bfloat16)
-    assert not layer_ops.rope_(_bf16(2, 3, 24, seed=8), cos, cos)                      # dim / 2 % 16
+    assert not layer_ops.rope_(_bf16(2, 3, 24, seed=8), cos, cos)  # dim / 2 % 16
 
 
 @needs_kernels

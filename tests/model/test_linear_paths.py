@@ -10,22 +10,37 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.model import linear, native
-from kvtier.model.linear import (DENSE, FP32, NATIVE_DP, NATIVE_FMA, ONEDNN, GemmPlan, Linear, available_methods,
-                                 can_pack_linears, choose_plan, linear_native, plan_override)
+from kvtier.model.linear import (
+    DENSE,
+    FP32,
+    NATIVE_DP,
+    NATIVE_FMA,
+    ONEDNN,
+    GemmPlan,
+    Linear,
+    available_methods,
+    can_pack_linears,
+    choose_plan,
+    linear_native,
+    plan_override,
+)
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
-needs_packing = pytest.mark.skipif(not can_pack_linears(torch.bfloat16, torch.device("cpu")),
-                                   reason="oneDNN bf16 weight packing is not available in this torch build")
-needs_kernel = pytest.mark.skipif(native.linear_lib() is None,
-                                  reason="no native bf16 GEMM here (needs a C compiler and AVX512-BF16)")
+needs_packing = pytest.mark.skipif(
+    not can_pack_linears(torch.bfloat16, torch.device("cpu")),
+    reason="oneDNN bf16 weight packing is not available in this torch build",
+)
+needs_kernel = pytest.mark.skipif(
+    native.linear_lib() is None, reason="no native bf16 GEMM here (needs a C compiler and AVX512-BF16)"
+)
 
 
 def test_choose_plan_switches_only_for_a_clear_win_over_the_size_below():
     timings = {
         1: {ONEDNN: 1.0, NATIVE_FMA: 0.5, FP32: 4.0},
         16: {ONEDNN: 1.0, NATIVE_FMA: 0.8, FP32: 2.0},
-        64: {ONEDNN: 1.0, NATIVE_FMA: 0.95, FP32: 0.9},   # fp32 best, but within 10% of native: stays
+        64: {ONEDNN: 1.0, NATIVE_FMA: 0.95, FP32: 0.9},  # fp32 best, but within 10% of native: stays
         512: {ONEDNN: 1.0, NATIVE_FMA: 1.5, FP32: 0.6},
         2048: {ONEDNN: 1.0, NATIVE_FMA: 2.0, FP32: 0.62},
     }
@@ -89,12 +104,12 @@ def test_native_kernel_takes_strided_rows_and_refuses_what_it_cannot_do():
     got = linear_native(x, layer.weight, layer.bias, 1)
     assert got is not None
     assert _within_one_ulp(got, F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16))
-    odd_k, _ = _layer(40, 32, bias=False)   # K % 32 != 0
-    odd_n, _ = _layer(64, 30, bias=False)   # N % 4 != 0
+    odd_k, _ = _layer(40, 32, bias=False)  # K % 32 != 0
+    odd_n, _ = _layer(64, 30, bias=False)  # N % 4 != 0
     assert linear_native(torch.ones(2, 40, dtype=torch.bfloat16), odd_k.weight, None, 1) is None
     assert linear_native(torch.ones(2, 64, dtype=torch.bfloat16), odd_n.weight, None, 1) is None
     assert linear_native(x.t().contiguous().t(), layer.weight, None, 1) is None  # column stride != 1
-    assert linear_native(x.float(), layer.weight.float(), None, 1) is None          # not bf16
+    assert linear_native(x.float(), layer.weight.float(), None, 1) is None  # not bf16
     # a layer whose shape the kernel refuses still answers, on the fallback
     odd_k.plan = GemmPlan(((1, NATIVE_FMA),))
     y = torch.randn(3, 40, generator=g).to(torch.bfloat16)
@@ -138,8 +153,9 @@ def test_onednn_plans_keep_only_the_packed_weight(tiny_model_dirs, monkeypatch):
 def test_onednn_in_a_plan_without_packing_is_refused(tiny_model_dirs, monkeypatch):
     monkeypatch.setenv(linear.PLAN_ENV, "onednn")
     with pytest.raises(ValueError, match="onednn needs packed weights"):
-        ModelRunner(tiny_model_dirs["llama"], dtype="bfloat16", device="cpu", block_size=4, num_blocks=8,
-                    pack_weights=False)
+        ModelRunner(
+            tiny_model_dirs["llama"], dtype="bfloat16", device="cpu", block_size=4, num_blocks=8, pack_weights=False
+        )
     assert DENSE in available_methods(packed=False)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from kvtier.model import runner as runner_module
 from kvtier.model.builder import REFERENCE_MODEL, build_random_llama
 from kvtier.model.hf_config import (
     SUPPORTED_ARCHITECTURES,
@@ -19,7 +20,6 @@ from kvtier.model.hf_config import (
     RopeScaling,
 )
 from kvtier.model.loader import model_fingerprint, safetensors_files
-from kvtier.model import runner as runner_module
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
@@ -53,20 +53,22 @@ def test_arch_config_reads_each_family(tiny_model_dirs):
 
 def _llama_config(**overrides) -> dict:
     config = {
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512,
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 512,
         "max_position_embeddings": 4096,
     }
     return config | overrides
 
 
 def test_legacy_rope_keys_parse_like_transformers_5_rope_parameters():
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     legacy = ArchConfig.from_dict(_llama_config(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **scaling}))
-    legacy_type_key = ArchConfig.from_dict(
-        _llama_config(rope_theta=5e5, rope_scaling={"type": "llama3", **scaling})
-    )
+    legacy_type_key = ArchConfig.from_dict(_llama_config(rope_theta=5e5, rope_scaling={"type": "llama3", **scaling}))
     v5 = ArchConfig.from_dict(_llama_config(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **scaling}))
     assert legacy == legacy_type_key == v5
     assert v5.rope_theta == 5e5 and v5.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
@@ -102,7 +104,7 @@ def test_missing_directory_says_what_to_pass(tmp_path):
 
 
 def test_missing_config_json(tmp_path):
-    with pytest.raises(ModelLoadError, match="no config.json") as info:
+    with pytest.raises(ModelLoadError, match=r"no config\.json") as info:
         ArchConfig.from_dir(tmp_path)
     assert isinstance(info.value, FileNotFoundError)
 
@@ -149,7 +151,7 @@ def test_missing_shard_of_sharded_checkpoint(tmp_path, tiny_model_dirs):
     shards = safetensors_files(model_dir)
     assert len(shards) > 1 and (model_dir / "model.safetensors.index.json").is_file()
     shards[-1].unlink()
-    with pytest.raises(ModelLoadError, match="shards listed in model.safetensors.index.json are missing"):
+    with pytest.raises(ModelLoadError, match=r"shards listed in model\.safetensors\.index\.json are missing"):
         load(model_dir)
 
 
@@ -220,8 +222,10 @@ def test_fingerprint_is_stable_and_tracks_dtype_block_size_and_weights(tmp_path,
     assert model_fingerprint(tiny_llama_dir, torch.bfloat16, torch.bfloat16, 16) != fp
     assert model_fingerprint(tiny_llama_dir, torch.float32, torch.bfloat16, 16) != fp
     assert model_fingerprint(tiny_llama_dir, torch.float32, torch.float32, 32) != fp
-    assert load(tiny_llama_dir).fingerprint != ModelRunner(tiny_llama_dir, device="cpu", block_size=8,
-                                                           num_blocks=8).fingerprint
+    assert (
+        load(tiny_llama_dir).fingerprint
+        != ModelRunner(tiny_llama_dir, device="cpu", block_size=8, num_blocks=8).fingerprint
+    )
 
     model_dir = copy_checkpoint(tiny_llama_dir, tmp_path / "m")
     tensors = load_file(model_dir / "model.safetensors")
@@ -235,8 +239,16 @@ def test_fingerprint_is_stable_and_tracks_dtype_block_size_and_weights(tmp_path,
 
 def test_built_random_llama_loads_in_kvtier_and_transformers_alike(tmp_path, reference_model):
     model_dir = build_random_llama(
-        tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=96,
-        vocab_size=300, dtype="float32", seed=3, rope_theta=50000.0,
+        tmp_path / "m",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=96,
+        vocab_size=300,
+        dtype="float32",
+        seed=3,
+        rope_theta=50000.0,
     )
     arch = ArchConfig.from_dir(model_dir)
     assert (arch.intermediate_size, arch.vocab_size, arch.rope_theta) == (96, 300, 50000.0)
@@ -249,8 +261,14 @@ def test_built_random_llama_loads_in_kvtier_and_transformers_alike(tmp_path, ref
 
 def test_built_tied_bf16_llama_has_no_lm_head(tmp_path):
     model_dir = build_random_llama(
-        tmp_path / "m", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-        vocab_size=100, tie_word_embeddings=True,
+        tmp_path / "m",
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=100,
+        tie_word_embeddings=True,
     )
     tensors = load_file(model_dir / "model.safetensors")
     assert "lm_head.weight" not in tensors

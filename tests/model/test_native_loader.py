@@ -16,8 +16,9 @@ import pytest
 
 from kvtier.model import native
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="no C compiler on PATH")
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler on PATH"
+)
 
 NOBODY = 65534
 
@@ -98,8 +99,9 @@ def _planted(cache_root: Path, tiny_source: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("how", ["writable_by_others", "foreign_owner", "symlink"])
-def test_a_planted_library_is_rebuilt_not_loaded(cache_root: Path, tiny_source: Path, tmp_path: Path,
-                                                 how: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_planted_library_is_rebuilt_not_loaded(
+    cache_root: Path, tiny_source: Path, tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
     target = _planted(cache_root, tiny_source, tmp_path)
     if how == "writable_by_others":
         os.chmod(target, 0o777)
@@ -138,7 +140,7 @@ def test_concurrent_builds_compile_once(cache_root: Path, tiny_source: Path, mon
         try:
             start.wait()
             results.append(native._build(tiny_source))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=build) for _ in range(4)]

@@ -25,8 +25,11 @@ def test_seeded_rows_reproduce_and_greedy_is_argmax():
     sp = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7)
 
     def run():
-        rows = [SampleRow(0, sp, torch.Generator().manual_seed(7)), SampleRow(1, sp, torch.Generator().manual_seed(8)),
-                SampleRow(2, SamplingParams(temperature=0.0), None)]
+        rows = [
+            SampleRow(0, sp, torch.Generator().manual_seed(7)),
+            SampleRow(1, sp, torch.Generator().manual_seed(8)),
+            SampleRow(2, SamplingParams(temperature=0.0), None),
+        ]
         return [s.token_id for s in sample(logits, rows)]
 
     a, b = run(), run()

@@ -18,9 +18,13 @@ def make(num_blocks=32, block_size=4, **cfg) -> Scheduler:
 
 
 def req(rid: str, n_prompt: int, max_tokens: int = 4, priority: int = 0, base: int = 0, **sp) -> Request:
-    return Request(rid, [base + i for i in range(n_prompt)],
-                   SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **sp),
-                   ROOT, priority=priority)
+    return Request(
+        rid,
+        [base + i for i in range(n_prompt)],
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **sp),
+        ROOT,
+        priority=priority,
+    )
 
 
 def step(s: Scheduler, token: int = 7):
@@ -154,7 +158,7 @@ def test_priority_queue_orders_admission_and_aging_prevents_starvation():
 
 def test_fcfs_head_of_line_is_not_overtaken():
     s = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
-    s.add_request(req("big", 20, max_tokens=8, base=100))   # 7 blocks
+    s.add_request(req("big", 20, max_tokens=8, base=100))  # 7 blocks
     step(s)
     s.add_request(req("big2", 20, max_tokens=8, base=200))  # cannot fit yet
     s.add_request(req("small", 2, max_tokens=2, base=300))  # would fit, must wait its turn
@@ -205,7 +209,7 @@ def test_duplicate_request_id_is_rejected():
 def test_stop_token_and_max_tokens():
     s = make()
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=10, stop_token_ids=[7]), ROOT))
-    out, finished = step(s, token=7)
+    _out, finished = step(s, token=7)
     assert finished and finished[0].status == RequestStatus.FINISHED_STOPPED
     s.add_request(req("b", 3, max_tokens=2))
     run_all(s)
@@ -259,9 +263,9 @@ def test_other_salts_and_unrelated_prompts_do_not_wait():
 
 def test_a_preempted_holder_does_not_strand_the_waiter():
     s = make(num_blocks=8, max_num_batched_tokens=8)
-    s.add_request(shared("a", 16, 3))   # 19 tokens, chunks of 8: holds the shared blocks for 3 steps
+    s.add_request(shared("a", 16, 3))  # 19 tokens, chunks of 8: holds the shared blocks for 3 steps
     s.add_request(shared("b", 16, 3))
     step(s)
-    s._preempt(s.requests["a"])       # the holder goes back to waiting (its computed blocks stay cached)
+    s._preempt(s.requests["a"])  # the holder goes back to waiting (its computed blocks stay cached)
     s.check_integrity()
-    run_all(s)                        # both finish: nothing waits on a request that is not running
+    run_all(s)  # both finish: nothing waits on a request that is not running

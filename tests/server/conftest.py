@@ -6,8 +6,8 @@ the module-scoped `server` fixture is shared by the tests of a file. Helpers: se
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from serverutil import MAX_MODEL_LEN, Server, start_redis, start_server, stop_redis, stop_server  # noqa: E402
+from serverutil import MAX_MODEL_LEN, Server, start_redis, start_server, stop_redis, stop_server
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +27,19 @@ def server_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     d = tmp_path_factory.mktemp("server_model")
     vocab = build_byte_tokenizer(d)
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128, vocab_size=vocab, max_position_embeddings=MAX_MODEL_LEN,
-                       dtype="float32", bos_token_id=256, eos_token_id=257)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=MAX_MODEL_LEN,
+        dtype="float32",
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     return d
 
 
@@ -65,15 +75,12 @@ def redis_url(tmp_path_factory):
     stop_redis(proc)
 
 
-
-
 @pytest.fixture(scope="module")
 def llm(server_model_dir: Path):
     """The offline engine over the servers' checkpoint and pool: what a server must match."""
-    from kvtier import LLM
-
     from serverutil import BLOCK_SIZE, NUM_DEVICE_BLOCKS
 
-    with LLM(str(server_model_dir), dtype="float32", num_device_blocks=NUM_DEVICE_BLOCKS,
-             block_size=BLOCK_SIZE) as llm:
+    from kvtier import LLM
+
+    with LLM(str(server_model_dir), dtype="float32", num_device_blocks=NUM_DEVICE_BLOCKS, block_size=BLOCK_SIZE) as llm:
         yield llm

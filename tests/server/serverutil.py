@@ -47,17 +47,36 @@ class Server:
     def openai(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="test-key", max_retries=0,
-                             timeout=kwargs.pop("timeout", 60.0), **kwargs)
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="test-key", max_retries=0, timeout=kwargs.pop("timeout", 60.0), **kwargs
+        )
 
 
 def start_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: float = 120.0) -> Server:
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "kvtier", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", MODEL_NAME, "--dtype", "float32",
-           "--block-size", str(BLOCK_SIZE), "--log-level", "warning", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvtier",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
     if not any(f in flags for f in ("--num-device-blocks", "--kv-cache-bytes")):
         cmd += ["--num-device-blocks", str(NUM_DEVICE_BLOCKS)]
     with open(log_path, "wb") as log:

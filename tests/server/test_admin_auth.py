@@ -19,8 +19,9 @@ def req(s, method: str, path: str, key: str | None = None, **kw) -> httpx.Respon
 
 
 def cached(s, key: str | None = None) -> int:
-    r = req(s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
-                                                     "temperature": 0})
+    r = req(
+        s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -65,8 +66,16 @@ def test_admin_key_file_guards_purges_metrics_and_integrity(serve, admin_key_fil
 def test_api_key_modes_for_models_and_metrics(serve, admin_key_file, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-b": "globex"}}))
-    s = serve("--api-keys", str(keys), "--admin-key-file", str(admin_key_file),
-              "--models-auth", "api_key", "--metrics-auth", "api_key")
+    s = serve(
+        "--api-keys",
+        str(keys),
+        "--admin-key-file",
+        str(admin_key_file),
+        "--models-auth",
+        "api_key",
+        "--metrics-auth",
+        "api_key",
+    )
     assert req(s, "GET", "/v1/models").status_code == 401
     assert req(s, "GET", "/v1/models", "sk-wrong").status_code == 401
     assert req(s, "GET", "/v1/models", "sk-a").json()["data"][0]["id"] == "tiny"
@@ -91,6 +100,10 @@ def test_bad_admin_key_file_is_a_clear_error(server_model_dir, tmp_path):
 
     short = tmp_path / "admin.key"
     short.write_text("short")
-    p = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir),
-                        "--admin-key-file", str(short)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir), "--admin-key-file", str(short)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode != 0 and "at least 16 characters" in p.stderr and "Traceback" not in p.stderr

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvtier.model.tokenizer import Tokenizer, build_byte_tokenizer
 from kvtier.engine.detokenizer import IncrementalDetokenizer, StreamText
+from kvtier.model.tokenizer import Tokenizer, build_byte_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,8 @@ def test_multibyte_characters_split_across_tokens(tok):
     assert "".join(parts) == text
     assert all("\ufffd" not in p for p in parts)  # nothing sent half-formed
     # the 4-byte fox arrives as one delta, with its last byte
-    last_byte = len(text[:text.index("🦊")].encode()) + 3
-    assert parts[last_byte - 3:last_byte + 1] == ["", "", "", "🦊"]
+    last_byte = len(text[: text.index("🦊")].encode()) + 3
+    assert parts[last_byte - 3 : last_byte + 1] == ["", "", "", "🦊"]
 
 
 def test_random_bytes_match_the_full_decode(tok):
@@ -45,7 +45,7 @@ def test_random_bytes_match_the_full_decode(tok):
         i = 0
         while i < len(ids):  # several tokens per step, sometimes
             k = rng.randrange(1, 4)
-            pushed.append(detok.push(ids[i:i + k]))
+            pushed.append(detok.push(ids[i : i + k]))
             i += k
         pushed.append(detok.flush())
         assert "".join(pushed) == tok.decode(ids)

@@ -10,13 +10,17 @@ import time
 
 import httpx
 import pytest
-
 from serverutil import MODEL_NAME, scrape, start_redis, stop_redis
 
 from kvtier.server.sse import aiter_events
 
-LONG = {"model": MODEL_NAME, "prompt": "a request that the client abandons", "max_tokens": 210,
-        "temperature": 0.0, "ignore_eos": True}
+LONG = {
+    "model": MODEL_NAME,
+    "prompt": "a request that the client abandons",
+    "max_tokens": 210,
+    "temperature": 0.0,
+    "ignore_eos": True,
+}
 
 
 def aborted(url: str) -> float:
@@ -50,13 +54,15 @@ def test_stream_closed_early_aborts_and_frees_blocks(server):
     """A client that hangs up mid-stream aborts its request (max_tokens is the whole context
     budget, so the request is still decoding when the client leaves)."""
     before = aborted(server.url)
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r:
-            assert r.status_code == 200
-            lines = r.iter_lines()
-            for line in lines:
-                if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
-                    break  # one token of text arrived: the request is running; hang up
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as r,
+    ):
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data:") and json.loads(line[5:])["choices"][0]["text"]:
+                break  # one token of text arrived: the request is running; hang up
     wait_until_idle_clean(server)
     assert aborted(server.url) == before + 1
 
@@ -73,8 +79,9 @@ def test_non_streaming_client_timeout_aborts(serve, stalled_redis):
     proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/completions", json={**LONG, "max_tokens": 8},
-                       timeout=httpx.Timeout(30, read=0.5))
+            httpx.post(
+                f"{server.url}/v1/completions", json={**LONG, "max_tokens": 8}, timeout=httpx.Timeout(30, read=0.5)
+            )
         wait_for(lambda: aborted(server.url) == before + 1, what="the abort of the timed-out request")
     finally:
         proc.send_signal(signal.SIGCONT)
@@ -97,9 +104,14 @@ def test_concurrent_streaming_clients(serve):
         rng = random.Random(seed)
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             while time.monotonic() < deadline:
-                body = {"model": MODEL_NAME, "prompt": rng.choice(prefixes) + f"question {rng.randrange(1000)}",
-                        "max_tokens": rng.randrange(4, 24), "temperature": rng.choice([0.0, 0.8]),
-                        "stream": True, "stream_options": {"include_usage": True}}
+                body = {
+                    "model": MODEL_NAME,
+                    "prompt": rng.choice(prefixes) + f"question {rng.randrange(1000)}",
+                    "max_tokens": rng.randrange(4, 24),
+                    "temperature": rng.choice([0.0, 0.8]),
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 hang_up_after = rng.randrange(1, 4) if rng.random() < 0.15 else None
                 try:
                     async with client.stream("POST", "/v1/completions", json=body) as r:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import httpx
 from serverutil import MODEL_NAME, scrape
+from test_metrics import parse
 
 from kvtier import LLM, SamplingParams
 from kvtier.server.metrics import ServerMetrics
-from test_metrics import parse
 
 
 def drift_series(m: dict) -> dict:
@@ -22,9 +22,11 @@ def test_drift_series_over_http(serve):
     assert before[("kvtier:kv_drift_top1_agreement", ())] == 1.0
     tokens = 0
     for prompt in ("the cache keeps what it can", "and drops what it must, in blocks of four"):
-        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                       json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0,
-                             "ignore_eos": True})
+        r = httpx.post(
+            f"{server.url}/v1/completions",
+            timeout=60,
+            json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+        )
         assert r.status_code == 200, r.text
         tokens += r.json()["usage"]["completion_tokens"]
     m = scrape(server.url)

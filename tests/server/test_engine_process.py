@@ -28,8 +28,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _engine_pid(server) -> int:
-    kids = [k for k in _children(server.proc.pid)
-            if "kvtier.server.engine_proc" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")]
+    kids = [
+        k
+        for k in _children(server.proc.pid)
+        if "kvtier.server.engine_proc" in Path(f"/proc/{k}/cmdline").read_bytes().decode(errors="replace")
+    ]
     assert len(kids) == 1, kids
     return kids[0]
 
@@ -50,12 +53,18 @@ def test_engine_crash_fails_the_streams_and_the_server_exits(serve):
 
     def stream() -> None:
         try:
-            for _ in client.completions.create(model=MODEL_NAME, prompt="a long one", max_tokens=200,
-                                               temperature=0.0, stream=True, extra_body={"ignore_eos": True}):
+            for _ in client.completions.create(
+                model=MODEL_NAME,
+                prompt="a long one",
+                max_tokens=200,
+                temperature=0.0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 got["chunks"] += 1
                 if got["chunks"] == 2:
                     os.kill(pid, signal.SIGKILL)  # mid-stream, as the OOM killer would
-        except Exception as e:  # noqa: BLE001 - what the client sees
+        except Exception as e:
             got["error"] = e
 
     t = threading.Thread(target=stream)
@@ -71,8 +80,14 @@ def test_engine_crash_fails_the_streams_and_the_server_exits(serve):
 def test_a_model_that_cannot_load_stops_serve_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--model", str(tmp_path), "--port", "0"],
-                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier", "serve", "--model", str(tmp_path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode != 0
     assert "engine process could not start" in proc.stderr
 
@@ -80,7 +95,8 @@ def test_a_model_that_cannot_load_stops_serve_with_the_reason(tmp_path):
 def test_engine_in_process_still_serves(serve):
     s = serve("--engine-in-process")
     assert _children(s.proc.pid) == [] or all(
-        "engine_proc" not in Path(f"/proc/{k}/cmdline").read_text(errors="replace") for k in _children(s.proc.pid))
+        "engine_proc" not in Path(f"/proc/{k}/cmdline").read_text(errors="replace") for k in _children(s.proc.pid)
+    )
     out = s.openai().completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4, temperature=0.0)
     assert out.usage.completion_tokens == 4
     r = httpx.get(f"{s.url}/metrics", timeout=10)

@@ -7,7 +7,6 @@ import json
 
 import httpx
 import pytest
-
 from serverutil import MAX_MODEL_LEN, MODEL_NAME
 
 OK_COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
@@ -24,8 +23,13 @@ CASES = [
     ("temperature wrong type", "/v1/completions", {**OK_COMPLETION, "temperature": "hot"}, 400, "temperature"),
     ("stream wrong type", "/v1/completions", {**OK_COMPLETION, "stream": "yes"}, 400, "stream"),
     ("prompt too long", "/v1/completions", {**OK_COMPLETION, "prompt": "x" * (MAX_MODEL_LEN + 10)}, 400, "prompt"),
-    ("prompt + max_tokens too long", "/v1/completions", {**OK_COMPLETION, "prompt": "x" * 100,
-                                                         "max_tokens": MAX_MODEL_LEN}, 400, "prompt"),
+    (
+        "prompt + max_tokens too long",
+        "/v1/completions",
+        {**OK_COMPLETION, "prompt": "x" * 100, "max_tokens": MAX_MODEL_LEN},
+        400,
+        "prompt",
+    ),
     ("max_tokens zero", "/v1/completions", {**OK_COMPLETION, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", "/v1/completions", {**OK_COMPLETION, "max_tokens": -3}, 400, "max_tokens"),
     ("temperature negative", "/v1/completions", {**OK_COMPLETION, "temperature": -0.5}, 400, "temperature"),
@@ -37,35 +41,77 @@ CASES = [
     ("token id outside vocab", "/v1/completions", {**OK_COMPLETION, "prompt": [1, 999999]}, 400, "prompt"),
     ("one bad prompt of a batch", "/v1/completions", {**OK_COMPLETION, "prompt": [[1, 2], [1, 999999]]}, 400, "prompt"),
     ("penalty out of range", "/v1/completions", {**OK_COMPLETION, "presence_penalty": 3.0}, 400, "presence_penalty"),
-    ("repetition penalty zero", "/v1/completions", {**OK_COMPLETION, "repetition_penalty": 0.0}, 400,
-     "repetition_penalty"),
+    (
+        "repetition penalty zero",
+        "/v1/completions",
+        {**OK_COMPLETION, "repetition_penalty": 0.0},
+        400,
+        "repetition_penalty",
+    ),
     ("echo streamed", "/v1/completions", {**OK_COMPLETION, "echo": True, "stream": True}, 400, "echo"),
-    ("field kvtier does not implement", "/v1/completions", {**OK_COMPLETION, "logits_processors": ["x"]}, 400,
-     "logits_processors"),
+    (
+        "field kvtier does not implement",
+        "/v1/completions",
+        {**OK_COMPLETION, "logits_processors": ["x"]},
+        400,
+        "logits_processors",
+    ),
     ("unknown model", "/v1/completions", {**OK_COMPLETION, "model": "gpt-9"}, 404, "model"),
     ("empty messages", "/v1/chat/completions", {**OK_CHAT, "messages": []}, 400, "messages"),
     ("messages wrong type", "/v1/chat/completions", {**OK_CHAT, "messages": "hi"}, 400, "messages"),
-    ("message without role", "/v1/chat/completions", {**OK_CHAT, "messages": [{"content": "hi"}]}, 400, "messages.0.role"),
+    (
+        "message without role",
+        "/v1/chat/completions",
+        {**OK_CHAT, "messages": [{"content": "hi"}]},
+        400,
+        "messages.0.role",
+    ),
     ("chat bad temperature", "/v1/chat/completions", {**OK_CHAT, "temperature": 101}, 400, "temperature"),
     ("chat unknown model", "/v1/chat/completions", {**OK_CHAT, "model": "nope"}, 404, "model"),
-    ("chat stream too long", "/v1/chat/completions", {**OK_CHAT, "stream": True,
-                                                      "messages": [{"role": "user", "content": "y" * 400}]}, 400, "messages"),
+    (
+        "chat stream too long",
+        "/v1/chat/completions",
+        {**OK_CHAT, "stream": True, "messages": [{"role": "user", "content": "y" * 400}]},
+        400,
+        "messages",
+    ),
     ("oversized body", "/v1/completions", {**OK_COMPLETION, "prompt": "z" * (100 << 10)}, 413, None),
     # JSON that decodes to what no tokenizer or JSON encoder takes, or that the parser chokes on
     ("lone surrogate in prompt", "/v1/completions", b'{"prompt": "\\ud800abc", "max_tokens": 2}', 400, "prompt"),
-    ("lone surrogate in streamed prompt", "/v1/completions",
-     b'{"prompt": "\\ud800abc", "max_tokens": 2, "stream": true}', 400, "prompt"),
+    (
+        "lone surrogate in streamed prompt",
+        "/v1/completions",
+        b'{"prompt": "\\ud800abc", "max_tokens": 2, "stream": true}',
+        400,
+        "prompt",
+    ),
     ("lone surrogate in a batch", "/v1/completions", b'{"prompt": ["ok", "ab\\udfff"]}', 400, "prompt.1"),
-    ("lone surrogate in chat", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "\\ud800abc"}]}', 400, "messages.0.content"),
-    ("lone surrogate in a chat text part", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}', 400,
-     "messages.0.content.0.text"),
+    (
+        "lone surrogate in chat",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "\\ud800abc"}]}',
+        400,
+        "messages.0.content",
+    ),
+    (
+        "lone surrogate in a chat text part",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "x\\udc00"}]}]}',
+        400,
+        "messages.0.content.0.text",
+    ),
     ("surrogate as raw bytes (not UTF-8)", "/v1/completions", b'{"prompt": "\xed\xa0\x80"}', 400, None),
     ("nested 30000 deep", "/v1/completions", b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}", 400, None),
-    ("nested 100 deep", "/v1/chat/completions",
-     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": '
-     + b"[" * 100 + b"]" * 100 + b"}}", 400, None),
+    (
+        "nested 100 deep",
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"a": '
+        + b"[" * 100
+        + b"]" * 100
+        + b"}}",
+        400,
+        None,
+    ),
     ("integer of 5000 digits", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
     ("number out of range", "/v1/completions", b'{"prompt": "hi", "temperature": 1e400}', 400, None),
     ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, None),
@@ -91,11 +137,17 @@ def test_bad_input_is_a_4xx_with_an_error_body(server, name, path, body, status,
     assert post(server.url, "/v1/completions", OK_COMPLETION).status_code == 200
 
 
-@pytest.mark.parametrize("path,body,field", [
-    ("/v1/completions", b'{"prompt": "\\ud800abc"}', "prompt"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800abc"}], "stream": true}',
-     "messages.0.content"),
-])
+@pytest.mark.parametrize(
+    "path,body,field",
+    [
+        ("/v1/completions", b'{"prompt": "\\ud800abc"}', "prompt"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "\\ud800abc"}], "stream": true}',
+            "messages.0.content",
+        ),
+    ],
+)
 def test_lone_surrogate_error_names_the_field(server, path, body, field):
     r = post(server.url, path, body)
     assert r.status_code == 400, r.text
@@ -108,8 +160,12 @@ def test_lone_surrogate_error_names_the_field(server, path, body, field):
 def test_depth_error_says_what_is_wrong(server):
     r = post(server.url, "/v1/completions", b'{"prompt": ' + b"[" * 30000 + b"]" * 30000 + b"}")
     assert r.status_code == 400
-    assert r.json()["error"] == {"message": "the body is nested more than 64 levels deep",
-                                 "type": "invalid_request_error", "param": None, "code": "invalid_json"}
+    assert r.json()["error"] == {
+        "message": "the body is nested more than 64 levels deep",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
+    }
 
 
 def test_unknown_route_and_method(server):

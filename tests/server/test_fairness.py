@@ -10,9 +10,9 @@ import json
 
 import httpx
 import pytest
+from serverutil import MAX_MODEL_LEN, MODEL_NAME
 
 from kvtier.server.sse import aiter_events
-from serverutil import MAX_MODEL_LEN, MODEL_NAME
 
 # the byte-level test tokenizer: its longest vocabulary entry is "<|assistant|>"
 MAX_CHARS_PER_TOKEN = len("<|assistant|>")
@@ -35,8 +35,9 @@ def big_server(serve):
 
 
 def post(server, path: str, body: dict, timeout: float = 60) -> httpx.Response:
-    return httpx.post(server.url + path, content=json.dumps(body), timeout=timeout,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        server.url + path, content=json.dumps(body), timeout=timeout, headers={"content-type": "application/json"}
+    )
 
 
 def completion(server, **fields) -> httpx.Response:
@@ -75,8 +76,13 @@ def test_sequence_limit_counts_prompts_times_n(big_server):
     err = error_of(completion(big_server, prompt=[[1, 2], [3, 4]], n=4, max_tokens=2))
     assert err["code"] == "too_many_sequences" and err["param"] == "n"
     assert "8 sequences" in err["message"] and "--max-seqs-per-request" in err["message"]
-    err = error_of(post(big_server, "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "n": 7, "max_tokens": 2}))
+    err = error_of(
+        post(
+            big_server,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "n": 7, "max_tokens": 2},
+        )
+    )
     assert err["code"] == "too_many_sequences"
     r = completion(big_server, prompt=[[1, 2], [3, 4]], n=3, max_tokens=2)
     assert r.status_code == 200 and len(r.json()["choices"]) == 6
@@ -121,8 +127,15 @@ def test_long_chat_is_rejected_on_the_rendered_text(big_server):
 
 # ------------------------------------------------------------------ others keep being served
 async def _stream_tokens(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> list[int]:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "temperature": 0}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "return_token_ids": True,
+        "temperature": 0,
+    }
     ids: list[int] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -146,7 +159,7 @@ def test_normal_clients_complete_while_hostile_requests_are_answered(big_server)
             bad = [client.post(p, content=json.dumps(b)) for p, b in zip(paths * 2, hostile * 2)]
             good = [_stream_tokens(client, f"client {i} says hello", 8) for i in range(4)]
             results = await asyncio.gather(*bad, *good)
-            return list(results[:len(bad)]), list(results[len(bad):])
+            return list(results[: len(bad)]), list(results[len(bad) :])
 
     bad, good = asyncio.run(run())
     for r in bad:

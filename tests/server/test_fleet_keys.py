@@ -18,20 +18,19 @@ PROMPT = "A fleet-wide tenant document, served by whichever instance the balance
 
 
 def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:
-    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"},
-                         timeout=120, **kw)
+    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
 
 
 def cached(s, key: str = "sk-a", prompt: str = PROMPT) -> int:
-    r = call(s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                                      "temperature": 0})
+    r = call(
+        s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def acme_entries(r) -> dict[bytes, bytes]:
-    return {k: r.get(k) for k in r.scan_iter(match="kvtier:*")
-            if b":owner:" not in k and b":datakey:" not in k}
+    return {k: r.get(k) for k in r.scan_iter(match="kvtier:*") if b":owner:" not in k and b":datakey:" not in k}
 
 
 def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp_path, redis_url):
@@ -47,9 +46,20 @@ def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp
     keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
 
     def instance(name: str):
-        return serve("--api-keys", str(keys), "--disk-cache-dir", str(tmp_path / name),
-                     "--remote-cache-url", redis_url, "--kv-master-key-file", str(master),
-                     "--kv-key-check-interval-s", "0", "--restore-policy", "always")
+        return serve(
+            "--api-keys",
+            str(keys),
+            "--disk-cache-dir",
+            str(tmp_path / name),
+            "--remote-cache-url",
+            redis_url,
+            "--kv-master-key-file",
+            str(master),
+            "--kv-key-check-interval-s",
+            "0",
+            "--restore-policy",
+            "always",
+        )
 
     a, b = instance("a"), instance("b")
     assert cached(a) == 0

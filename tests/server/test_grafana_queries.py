@@ -10,7 +10,6 @@ import re
 
 import httpx
 import pytest
-
 from serverutil import MODEL_NAME, scrape
 
 pytest.importorskip("openai")
@@ -40,9 +39,13 @@ DASHBOARD_QUERIES = [
 SELECTOR = re.compile(r'vllm:(\w+)\{model_name="\$model_name"\}')
 
 # the rest of vLLM's request-level set, which the dashboard does not chart
-MORE_SERIES = ["request_inference_time_seconds_count", "request_params_n_count",
-               "request_params_max_tokens_count", "iteration_tokens_total_count",
-               "request_time_per_output_token_seconds_count"]
+MORE_SERIES = [
+    "request_inference_time_seconds_count",
+    "request_params_n_count",
+    "request_params_max_tokens_count",
+    "iteration_tokens_total_count",
+    "request_time_per_output_token_seconds_count",
+]
 
 
 def _values(samples, name: str, model: str) -> list[float]:
@@ -53,10 +56,22 @@ def test_vllm_dashboard_queries_get_data(server):
     before = scrape(server.url, model_name=True)
     client = server.openai()
     for i in range(3):
-        client.completions.create(model=MODEL_NAME, prompt=f"dashboard {i} " * 8, max_tokens=6, temperature=0.0,
-                                  extra_body={"ignore_eos": True})
-    client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                   n=2, temperature=1.0, seed=1, extra_body={"ignore_eos": True})
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=f"dashboard {i} " * 8,
+            max_tokens=6,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+    client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        n=2,
+        temperature=1.0,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
     after = scrape(server.url, model_name=True)
     # the dashboard's model_name variable: label_values({__name__=~"vllm:.*"}, model_name)
     assert {dict(labels).get("model_name") for (n, labels) in after if n.startswith("kvtier:")} == {MODEL_NAME}
@@ -82,8 +97,11 @@ def test_vllm_dashboard_queries_get_data(server):
 
 def test_params_histograms_count_what_was_asked(server):
     before = scrape(server.url, model_name=True)
-    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "prompt": "params", "max_tokens": 7, "n": 3, "temperature": 1.0, "seed": 2})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "params", "max_tokens": 7, "n": 3, "temperature": 1.0, "seed": 2},
+    )
     assert r.status_code == 200
     after = scrape(server.url, model_name=True)
 

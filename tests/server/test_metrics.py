@@ -42,8 +42,14 @@ def test_each_app_has_its_own_registry(server_model_dir):
 
 
 def test_tier_series_follow_the_engine(server_model_dir):
-    llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=24, block_size=4,
-              host_cache_bytes=16 << 20, restore_policy="always")
+    llm = LLM(
+        str(server_model_dir),
+        dtype="float32",
+        num_device_blocks=24,
+        block_size=4,
+        host_cache_bytes=16 << 20,
+        restore_policy="always",
+    )
     metrics = ServerMetrics(llm.engine)
     first = prompts(1, 1)[0]
     outs = llm.generate(first, SP)
@@ -88,13 +94,21 @@ def test_lower_tiers_are_queried_only_after_a_miss_above(server_model_dir, tmp_p
     """prefix_cache_queries_total by tier: a lower tier is asked only for what the tiers above
     missed, once per admission (a request waiting for space and retrying is no new query; a
     store checking what the disk holds is none): device >= host >= disk, in tokens."""
-    llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=24, block_size=4,
-              host_cache_bytes=96 << 10, disk_cache_dir=str(tmp_path / "disk"), disk_cache_bytes=8 << 20,
-              restore_policy="always", max_num_seqs=4)
+    llm = LLM(
+        str(server_model_dir),
+        dtype="float32",
+        num_device_blocks=24,
+        block_size=4,
+        host_cache_bytes=96 << 10,
+        disk_cache_dir=str(tmp_path / "disk"),
+        disk_cache_bytes=8 << 20,
+        restore_policy="always",
+        max_num_seqs=4,
+    )
     metrics = ServerMetrics(llm.engine)
     shared = prompts(7, 6, length=36)
     for r in range(3):  # revisits under pressure: restores from host and disk, waits for space
-        llm.generate(shared[r % 2::2] + prompts(10 + r, 4, length=36), SP)
+        llm.generate(shared[r % 2 :: 2] + prompts(10 + r, 4, length=36), SP)
     llm.engine.tiers.flush(10.0)
     m = parse(metrics.render())
     q = {t: m.get(("kvtier:prefix_cache_queries_total", (("tier", t),)), 0.0) for t in ("device", "host", "disk")}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from serverutil import MAX_MODEL_LEN, MODEL_NAME, start_server, stop_server
 
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
@@ -16,9 +15,19 @@ def bare_server(tmp_path_factory):
     from kvtier.model.builder import build_random_llama
 
     d = tmp_path_factory.mktemp("bare_model")
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                       vocab_size=300, max_position_embeddings=MAX_MODEL_LEN, dtype="float32",
-                       bos_token_id=1, eos_token_id=2)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=300,
+        max_position_embeddings=MAX_MODEL_LEN,
+        dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     assert not (d / "tokenizer.json").exists()
     s = start_server(d, tmp_path_factory.mktemp("bare_logs"))
     yield s
@@ -30,8 +39,16 @@ def test_stream_sends_a_chunk_per_token_without_a_tokenizer(bare_server):
     client = bare_server.openai()
     prompt = list(range(10, 40))
     full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, **GREEDY)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=12, stream=True,
-                                            stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     token_chunks = [c for c in chunks if c.choices]
     # a chunk per engine step that produced tokens (steps the client fell behind on coalesce),
     # not one chunk at the end
@@ -46,13 +63,25 @@ def test_return_token_ids_stream_and_body(bare_server):
     the chunks add up to the same output (so a client counts tokens per chunk exactly)."""
     client = bare_server.openai()
     prompt = list(range(50, 90))
-    body = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10,
-                                     temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    body = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = body.choices[0].model_dump()
     assert choice["prompt_token_ids"] == prompt and len(choice["token_ids"]) == 10
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=10, stream=True,
-                                            temperature=0.0,
-                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=10,
+            stream=True,
+            temperature=0.0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
+    )
     streamed = [t for c in chunks if c.choices for t in c.choices[0].model_dump()["token_ids"]]
     assert streamed == choice["token_ids"]
     plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, temperature=0.0)
@@ -61,8 +90,9 @@ def test_return_token_ids_stream_and_body(bare_server):
 
 
 def test_text_prompt_without_a_tokenizer_is_a_clear_400(bare_server):
-    r = httpx.post(f"{bare_server.url}/v1/completions",
-                   json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}, timeout=30)
+    r = httpx.post(
+        f"{bare_server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}, timeout=30
+    )
     assert r.status_code == 400
     assert "tokenizer" in r.json()["error"]["message"]
     bare_server.check_idle_clean()

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from serverutil import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, scrape
 
 from kvtier import SamplingParams
-from serverutil import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, scrape
 
 pytest.importorskip("openai")
 
@@ -48,8 +48,13 @@ def test_chat_matches_offline_greedy(client, llm):
 def test_chat_return_token_ids(client, llm):
     messages = [{"role": "user", "content": "Hi there"}]
     ref = llm.chat(messages, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
-    kw = dict(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0.0,
-              extra_body={"ignore_eos": True, "return_token_ids": True})
+    kw = dict(
+        model=MODEL_NAME,
+        messages=messages,
+        max_tokens=6,
+        temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     choice = client.chat.completions.create(**kw).choices[0].model_dump()
     assert choice["prompt_token_ids"] == ref.prompt_token_ids
     assert choice["token_ids"] == ref.outputs[0].token_ids
@@ -86,10 +91,14 @@ def test_streaming_adds_up_to_the_full_text(client, server):
     assert usage.prompt_tokens_details.cached_tokens > 0  # the same prompt ran just before
 
     messages = [{"role": "user", "content": prompt}]
-    chat_full = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30,
-                                               **GREEDY).choices[0].message.content
-    chat_chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30,
-                                                      stream=True, **GREEDY))
+    chat_full = (
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30, **GREEDY)
+        .choices[0]
+        .message.content
+    )
+    chat_chunks = list(
+        client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=30, stream=True, **GREEDY)
+    )
     assert chat_chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat_full
     assert chat_chunks[-1].choices[0].finish_reason == "length"
@@ -108,21 +117,23 @@ def test_stream_with_stop_string_matches_non_stream(client):
         pytest.skip(f"no ASCII pair in the greedy text {full!r}")
     stop = m.group(0)
     cut = client.completions.create(stop=[stop], **kwargs).choices[0]
-    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
     streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True, **kwargs))
     assert streamed == cut.text
 
 
 def test_n2_and_seeded_sampling(client, server):
-    kwargs = dict(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=MODEL_NAME, prompt=PROMPT, max_tokens=8, n=2, temperature=1.0, seed=7, extra_body={"ignore_eos": True}
+    )
     a = client.completions.create(**kwargs)
     b = client.completions.create(**kwargs)
     assert sorted(c.index for c in a.choices) == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert a.usage.completion_tokens == 16
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                          max_tokens=4, n=2, stream=True, **GREEDY)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], max_tokens=4, n=2, stream=True, **GREEDY
+    )
     by_index: dict[int, str] = {}
     for c in chat:
         for ch in c.choices:
@@ -150,8 +161,14 @@ def test_logprobs(client):
     assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == 4
     assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
     assert all(1 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
-    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}],
-                                          max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY)
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
     # greedy: the chosen token is the most likely one
@@ -186,6 +203,5 @@ def test_metrics_move(client, server):
     assert after[("kvtier:kv_cache_usage_perc", ())] == 0.0
     assert after[("kvtier:num_requests_running", ())] == 0.0
     assert after[("kvtier:num_requests_waiting", ())] == 0.0
-    for name in ("kvtier:num_preemptions_total", "kvtier:host_cache_usage_perc",
-                 "kvtier:disk_cache_usage_perc"):
+    for name in ("kvtier:num_preemptions_total", "kvtier:host_cache_usage_perc", "kvtier:disk_cache_usage_perc"):
         assert (name, ()) in after

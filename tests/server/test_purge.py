@@ -22,23 +22,35 @@ PROMPT_B = "Tenant B has a different document that must survive A's purge untouc
 def purge_server(serve, tmp_path_factory, redis_url):
     d = tmp_path_factory.mktemp("purge")
     keys = d / "keys.json"
-    keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-b": "globex",
-                                         "sk-admin": {"tenant": "ops", "admin": True}}}))
-    s = serve("--api-keys", str(keys), "--num-device-blocks", "128", "--host-cache-bytes", "4MiB",
-              "--disk-cache-dir", str(d / "disk"), "--remote-cache-url", redis_url,
-              "--kv-key-dir", str(d / "keys"))
+    keys.write_text(
+        json.dumps({"keys": {"sk-a": "acme", "sk-b": "globex", "sk-admin": {"tenant": "ops", "admin": True}}})
+    )
+    s = serve(
+        "--api-keys",
+        str(keys),
+        "--num-device-blocks",
+        "128",
+        "--host-cache-bytes",
+        "4MiB",
+        "--disk-cache-dir",
+        str(d / "disk"),
+        "--remote-cache-url",
+        redis_url,
+        "--kv-key-dir",
+        str(d / "keys"),
+    )
     yield s, d
     assert "Traceback" not in s.log()
 
 
 def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:
-    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"},
-                         timeout=60, **kw)
+    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=60, **kw)
 
 
 def complete(s, key: str, prompt: str) -> dict:
-    r = call(s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": prompt, "max_tokens": 2,
-                                                      "temperature": 0})
+    r = call(
+        s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     return r.json()
 

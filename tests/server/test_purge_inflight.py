@@ -28,9 +28,19 @@ def long_model_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("long_model")
     vocab = build_byte_tokenizer(d)
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=128, vocab_size=vocab, max_position_embeddings=LONG_CONTEXT,
-                       dtype="float32", bos_token_id=256, eos_token_id=257)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=LONG_CONTEXT,
+        dtype="float32",
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     return d
 
 
@@ -53,8 +63,7 @@ def start(long_model_dir, tmp_path_factory):
 
 
 def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:
-    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"},
-                         timeout=120, **kw)
+    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
@@ -64,14 +73,34 @@ def test_purge_aborts_the_running_request_and_leaves_nothing(start, tmp_path, re
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
     redis.Redis.from_url(redis_url).flushdb()  # this module's redis-server: start empty
-    s = start("--api-keys", str(keys), "--num-device-blocks", "2048", "--host-cache-bytes", "256KiB",
-              "--disk-cache-dir", str(tmp_path / "disk"), "--remote-cache-url", redis_url,
-              "--kv-key-dir", str(tmp_path / "keys"), "--cache-write-policy", policy)
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": LONG_CONTEXT - 900, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    s = start(
+        "--api-keys",
+        str(keys),
+        "--num-device-blocks",
+        "2048",
+        "--host-cache-bytes",
+        "256KiB",
+        "--disk-cache-dir",
+        str(tmp_path / "disk"),
+        "--remote-cache-url",
+        redis_url,
+        "--kv-key-dir",
+        str(tmp_path / "keys"),
+        "--cache-write-policy",
+        policy,
+    )
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": LONG_CONTEXT - 900,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     finish = []
-    with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120,
-                      headers={"Authorization": "Bearer sk-a"}) as stream:
+    with httpx.stream(
+        "POST", f"{s.url}/v1/completions", json=body, timeout=120, headers={"Authorization": "Bearer sk-a"}
+    ) as stream:
         lines = stream.iter_lines()
         for line in lines:  # the first token: the prompt's blocks are cached and being stored
             if line.startswith("data: {"):
@@ -100,8 +129,13 @@ def test_purge_aborts_the_running_request_and_leaves_nothing(start, tmp_path, re
     assert not KeyStore(tmp_path / "keys").has_key("acme")
 
     # the prompt starts from nothing
-    r = call(s, "POST", "/v1/completions", "sk-a",
-             json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    r = call(
+        s,
+        "POST",
+        "/v1/completions",
+        "sk-a",
+        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0},
+    )
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     ok = call(s, "POST", "/admin/check_integrity", "sk-admin")
     assert ok.status_code == 200 and ok.json()["ok"] is True and ok.json()["num_unfinished"] == 0

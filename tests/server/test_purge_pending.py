@@ -30,13 +30,13 @@ def redis_proc(tmp_path):
 
 
 def call(s, method: str, path: str, key: str, **kw) -> httpx.Response:
-    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"},
-                         timeout=120, **kw)
+    return httpx.request(method, f"{s.url}{path}", headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
 
 
 def cached(s, key: str) -> int:
-    r = call(s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1,
-                                                      "temperature": 0})
+    r = call(
+        s, "POST", "/v1/completions", key, json={"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -47,8 +47,18 @@ def test_purge_with_redis_down_says_so_and_completes_later(serve, tmp_path, redi
     proc, url = redis_proc
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
-    flags = ("--api-keys", str(keys), "--disk-cache-dir", str(tmp_path / "disk"), "--remote-cache-url", url,
-             "--kv-key-dir", str(tmp_path / "keys"), "--ttl-sweep-interval-s", "3600")
+    flags = (
+        "--api-keys",
+        str(keys),
+        "--disk-cache-dir",
+        str(tmp_path / "disk"),
+        "--remote-cache-url",
+        url,
+        "--kv-key-dir",
+        str(tmp_path / "keys"),
+        "--ttl-sweep-interval-s",
+        "3600",
+    )
     s = serve(*flags)
     cached(s, "sk-a")
     usage = call(s, "GET", "/v1/cache", "sk-a").json()["tiers"]  # waits for the queued stores

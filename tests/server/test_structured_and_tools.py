@@ -10,21 +10,33 @@ from typing import Literal
 
 import httpx
 import pytest
-
 from serverutil import MODEL_NAME
 
 pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 pydantic = pytest.importorskip("pydantic")
 
-SCHEMA = {"type": "object",
-          "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-          "required": ["ok", "color"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "paint", "description": "Paint something.",
-                                           "parameters": SCHEMA}},
-         {"type": "function", "function": {"name": "stop_now", "parameters": {
-             "type": "object", "properties": {"why": {"enum": ["done", "tired"]}}, "required": ["why"],
-             "additionalProperties": False}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "paint", "description": "Paint something.", "parameters": SCHEMA}},
+    {
+        "type": "function",
+        "function": {
+            "name": "stop_now",
+            "parameters": {
+                "type": "object",
+                "properties": {"why": {"enum": ["done", "tired"]}},
+                "required": ["why"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
 USER = [{"role": "user", "content": "Paint the fence."}]
 
 
@@ -52,23 +64,30 @@ def tserver(serve):
 
 
 def _chat(server, **body):
-    return httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
-                      json={"model": MODEL_NAME, "messages": USER, "max_tokens": 60, **body})
+    return httpx.post(
+        f"{server.url}/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL_NAME, "messages": USER, "max_tokens": 60, **body},
+    )
 
 
 def test_openai_parse_with_pydantic(server):
     client = server.openai()
-    done = client.chat.completions.parse(model=MODEL_NAME, messages=USER, response_format=Paint,
-                                         max_tokens=60, temperature=0.0)
+    done = client.chat.completions.parse(
+        model=MODEL_NAME, messages=USER, response_format=Paint, max_tokens=60, temperature=0.0
+    )
     parsed = done.choices[0].message.parsed
     assert isinstance(parsed, Paint)
 
 
-@pytest.mark.parametrize("body", [
-    {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
-    {"guided_json": SCHEMA},
-    {"structured_outputs": {"json": SCHEMA}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}},
+        {"guided_json": SCHEMA},
+        {"structured_outputs": {"json": SCHEMA}},
+    ],
+)
 def test_json_constraints_over_http(server, body):
     r = _chat(server, n=2, temperature=1.0, seed=5, **body)
     assert r.status_code == 200, r.text
@@ -78,25 +97,38 @@ def test_json_constraints_over_http(server, body):
 
 
 def test_completions_regex_choice_and_stream(server):
-    r = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
-        "prompt": "code:", "max_tokens": 10, "guided_regex": "[a-c]{4}", "temperature": 1.0, "seed": 1})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "code:", "max_tokens": 10, "guided_regex": "[a-c]{4}", "temperature": 1.0, "seed": 1},
+    )
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["text"]) == 4
-    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
-            "prompt": "pick:", "max_tokens": 10, "guided_choice": ["alpha", "beta"], "stream": True}) as s:
-        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.iter_lines()
-                       if line.startswith("data: {") and json.loads(line[6:])["choices"])
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "pick:", "max_tokens": 10, "guided_choice": ["alpha", "beta"], "stream": True},
+    ) as s:
+        text = "".join(
+            json.loads(line[6:])["choices"][0]["text"]
+            for line in s.iter_lines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]
+        )
     assert text in ("alpha", "beta")
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
-    ({"guided_regex": "(unclosed"}, "structured_outputs"),
-    ({"response_format": {"type": "yaml"}}, "response_format"),
-    ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
+        ({"guided_regex": "(unclosed"}, "structured_outputs"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ],
+)
 def test_bad_constraints_are_400(server, body, param):
     r = _chat(server, **body)
     assert r.status_code == 400, r.text
@@ -118,8 +150,13 @@ def test_named_and_required_tool_choice(server):
     assert r.json()["choices"][0]["finish_reason"] == "tool_calls"
     # the openai client reads them
     client = server.openai()
-    resp = client.chat.completions.create(model=MODEL_NAME, messages=USER, tools=TOOLS, max_tokens=60,
-                                          tool_choice={"type": "function", "function": {"name": "stop_now"}})
+    resp = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=USER,
+        tools=TOOLS,
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "stop_now"}},
+    )
     assert resp.choices[0].message.tool_calls[0].function.name == "stop_now"
 
 
@@ -133,9 +170,19 @@ def test_auto_needs_the_flag(server, tserver):
 
 
 def test_streamed_tool_call_deltas(server):
-    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60, json={
-            "model": MODEL_NAME, "messages": USER, "max_tokens": 60, "stream": True, "tools": TOOLS,
-            "tool_choice": {"type": "function", "function": {"name": "paint"}}}) as s:
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": MODEL_NAME,
+            "messages": USER,
+            "max_tokens": 60,
+            "stream": True,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "paint"}},
+        },
+    ) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     calls = [d["tool_calls"] for d in deltas if "tool_calls" in d]

@@ -19,8 +19,11 @@ PROMPT = "A long shared prompt that both tenants send, word for word, to the sam
 def tenant_server(serve, tmp_path_factory):
     d = tmp_path_factory.mktemp("tenancy")
     keys = d / "keys.json"
-    keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-a2": "acme", "sk-b": "globex",
-                                         "sk-admin": {"tenant": "ops", "admin": True}}}))
+    keys.write_text(
+        json.dumps(
+            {"keys": {"sk-a": "acme", "sk-a2": "acme", "sk-b": "globex", "sk-admin": {"tenant": "ops", "admin": True}}}
+        )
+    )
     log = d / "requests.jsonl"
     s = serve("--api-keys", str(keys), "--request-log", str(log), "--num-device-blocks", "256")
     yield s, log
@@ -32,8 +35,9 @@ def client(server, key: str) -> openai.OpenAI:
 
 
 def cached(server, key: str, prompt: str = PROMPT, **extra) -> int:
-    r = client(server, key).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
-                                               extra_body=extra or None)
+    r = client(server, key).completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra or None
+    )
     return r.usage.prompt_tokens_details.cached_tokens
 
 
@@ -48,8 +52,8 @@ def test_keys_are_required(tenant_server):
 def test_no_cross_tenant_hits_but_hits_within_a_tenant(tenant_server):
     s, _ = tenant_server
     assert cached(s, "sk-a") == 0
-    assert cached(s, "sk-b") == 0          # same prompt, other tenant: nothing shared
-    assert cached(s, "sk-a2") > 0          # another key of the same tenant: a hit
+    assert cached(s, "sk-b") == 0  # same prompt, other tenant: nothing shared
+    assert cached(s, "sk-a2") > 0  # another key of the same tenant: a hit
     assert cached(s, "sk-b") > 0
     # a client salt subdivides its tenant's space; it cannot reach into another tenant's
     assert cached(s, "sk-a", cache_salt="project-x") == 0
@@ -87,8 +91,13 @@ def test_request_log_has_tokens_and_tenant_hash_but_no_text(tenant_server):
 def test_bad_key_file_is_a_clear_error(server_model_dir, tmp_path):
     import subprocess
     import sys
+
     bad = tmp_path / "keys.json"
     bad.write_text("{not json")
-    p = subprocess.run([sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir),
-                        "--api-keys", str(bad)], capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir), "--api-keys", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "not valid JSON" in p.stderr and "Traceback" not in p.stderr

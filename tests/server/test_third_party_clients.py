@@ -15,15 +15,17 @@ import sys
 from typing import Literal
 
 import pytest
-
 from serverutil import MODEL_NAME
 
 pydantic = pytest.importorskip("pydantic")
 pytest.importorskip("llguidance")
 
-PAINT = {"type": "object",
-         "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-         "required": ["ok", "color"], "additionalProperties": False}
+PAINT = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["ok", "color"],
+    "additionalProperties": False,
+}
 TOOLS = [{"type": "function", "function": {"name": "paint", "description": "Paint something.", "parameters": PAINT}}]
 NAMED = {"type": "function", "function": {"name": "paint"}}
 COLORS = ("red", "green", "blue")
@@ -37,8 +39,11 @@ class Paint(pydantic.BaseModel):
 @pytest.fixture(scope="module")
 def server(serve):
     # a random model picks whitespace as readily as anything: compact JSON ends in bounded tokens
-    s = serve("--structured-outputs-config", '{"disable_any_whitespace": true, "disable_additional_properties": true}',
-              "--enable-tokenizer-info-endpoint")
+    s = serve(
+        "--structured-outputs-config",
+        '{"disable_any_whitespace": true, "disable_additional_properties": true}',
+        "--enable-tokenizer-info-endpoint",
+    )
     yield s
     assert "Traceback" not in s.log(), s.log()
 
@@ -47,8 +52,9 @@ def test_langchain_structured_output_and_tools(server):
     pytest.importorskip("langchain_openai")
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(model=MODEL_NAME, base_url=f"{server.url}/v1", api_key="unused", temperature=0.0,
-                      max_tokens=60, max_retries=0)
+    chat = ChatOpenAI(
+        model=MODEL_NAME, base_url=f"{server.url}/v1", api_key="unused", temperature=0.0, max_tokens=60, max_retries=0
+    )
     for method in ("json_schema", "function_calling"):
         out = chat.with_structured_output(Paint, method=method).invoke("Paint the fence.")
         assert isinstance(out, Paint), (method, out)
@@ -61,18 +67,22 @@ def test_langchain_structured_output_and_tools(server):
     assert call["name"] == "paint" and call["args"]["color"] in COLORS and call["id"]
     # the tool's answer goes back in the conversation and the model replies in text
     from langchain_core.messages import HumanMessage, ToolMessage
-    reply = chat.invoke([HumanMessage("Paint the fence."), msg,
-                         ToolMessage(content="painted", tool_call_id=call["id"])])
+
+    reply = chat.invoke(
+        [HumanMessage("Paint the fence."), msg, ToolMessage(content="painted", tool_call_id=call["id"])]
+    )
     assert isinstance(reply.content, str) and not reply.tool_calls
 
 
 def test_litellm_vllm_provider_with_tools(server, monkeypatch):
     monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of the price list
     litellm = pytest.importorskip("litellm")
-    kw = dict(model=f"hosted_vllm/{MODEL_NAME}", api_base=f"{server.url}/v1", api_key="unused", max_tokens=60,
-              temperature=0.0)
-    resp = litellm.completion(messages=[{"role": "user", "content": "Paint the fence."}], tools=TOOLS,
-                              tool_choice=NAMED, **kw)
+    kw = dict(
+        model=f"hosted_vllm/{MODEL_NAME}", api_base=f"{server.url}/v1", api_key="unused", max_tokens=60, temperature=0.0
+    )
+    resp = litellm.completion(
+        messages=[{"role": "user", "content": "Paint the fence."}], tools=TOOLS, tool_choice=NAMED, **kw
+    )
     call = resp.choices[0].message.tool_calls[0]
     assert call.function.name == "paint" and json.loads(call.function.arguments)["color"] in COLORS
     assert resp.choices[0].finish_reason in ("stop", "tool_calls")  # LiteLLM maps a call to "tool_calls"
@@ -86,16 +96,38 @@ def test_curl_streams_tool_call_deltas(server):
     curl = shutil.which("curl")
     if curl is None:
         pytest.skip("no curl on this machine")
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Paint it."}], "max_tokens": 60,
-            "stream": True, "tools": TOOLS, "tool_choice": NAMED}
-    out = subprocess.run([curl, "-sN", "--max-time", "60", f"{server.url}/v1/chat/completions",
-                          "-H", "Content-Type: application/json", "-d", json.dumps(body)],
-                         capture_output=True, text=True, check=True).stdout
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "Paint it."}],
+        "max_tokens": 60,
+        "stream": True,
+        "tools": TOOLS,
+        "tool_choice": NAMED,
+    }
+    out = subprocess.run(
+        [
+            curl,
+            "-sN",
+            "--max-time",
+            "60",
+            f"{server.url}/v1/chat/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            json.dumps(body),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     events = [line[6:] for line in out.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    calls = [c["choices"][0]["delta"]["tool_calls"] for c in chunks
-             if c["choices"] and "tool_calls" in c["choices"][0]["delta"]]
+    calls = [
+        c["choices"][0]["delta"]["tool_calls"]
+        for c in chunks
+        if c["choices"] and "tool_calls" in c["choices"][0]["delta"]
+    ]
     assert calls and calls[0][0]["function"]["name"] == "paint" and calls[0][0]["id"]
     arguments = "".join(d[0]["function"].get("arguments") or "" for d in calls)
     assert json.loads(arguments)["color"] in COLORS
@@ -135,12 +167,31 @@ def test_lm_eval_local_completions_loglikelihood(server, server_model_dir, tmp_p
     tasks.mkdir()
     (tasks / "kvtier_mc.yaml").write_text(TASK.format(data=data))
     out_dir = tmp_path / "results"
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OPENAI_API_KEY": "unused"}
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args",
-           f"model={MODEL_NAME},base_url={server.url}/v1/completions,tokenizer_backend=remote,"
-           "num_concurrent=1,max_retries=1,tokenized_requests=True",
-           "--tasks", "kvtier_mc", "--include_path", str(tasks), "--output_path", str(out_dir), "--log_samples"]
+    env = {
+        **os.environ,
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OPENAI_API_KEY": "unused",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "run",
+        "--model",
+        "local-completions",
+        "--model_args",
+        f"model={MODEL_NAME},base_url={server.url}/v1/completions,tokenizer_backend=remote,"
+        "num_concurrent=1,max_retries=1,tokenized_requests=True",
+        "--tasks",
+        "kvtier_mc",
+        "--include_path",
+        str(tasks),
+        "--output_path",
+        str(out_dir),
+        "--log_samples",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     samples = [json.loads(line) for f in out_dir.rglob("samples_kvtier_mc_*.jsonl") for line in f.open()]

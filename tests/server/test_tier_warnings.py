@@ -7,7 +7,6 @@ import time
 
 import httpx
 import pytest
-
 from serverutil import MODEL_NAME, start_redis, stop_redis
 
 redis = pytest.importorskip("redis")
@@ -17,8 +16,13 @@ def test_redis_down_is_a_warning_in_the_server_log(serve, tmp_path):
     proc, url = start_redis(tmp_path)
     try:
         server = serve("--remote-cache-url", url)
-        body = {"model": MODEL_NAME, "prompt": "a prompt that Redis would have stored " * 2,
-                "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": MODEL_NAME,
+            "prompt": "a prompt that Redis would have stored " * 2,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         first = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         proc.kill()
         proc.wait(10)

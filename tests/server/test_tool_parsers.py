@@ -10,8 +10,10 @@ from kvtier.server.tools import ToolStream, make_parser
 
 def test_hermes():
     p = make_parser("hermes")
-    content, calls = p.parse('Sure.\n<tool_call>\n{"name": "get", "arguments": {"city": "Oslo"}}\n</tool_call>'
-                             '<tool_call>{"name": "put", "arguments": {}}</tool_call>')
+    content, calls = p.parse(
+        'Sure.\n<tool_call>\n{"name": "get", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        '<tool_call>{"name": "put", "arguments": {}}</tool_call>'
+    )
     assert content == "Sure." and [c.name for c in calls] == ["get", "put"]
     assert json.loads(calls[0].arguments) == {"city": "Oslo"}
     assert p.parse("no call here") == ("no call here", [])
@@ -27,7 +29,7 @@ def test_llama3_json_and_mistral():
 
 def test_stream_holds_back_a_split_marker():
     ts = ToolStream("auto", None, make_parser("hermes"))
-    sent = ts.feed("Hello <tool") + ts.feed("_call>{\"name\": \"f\", ") + ts.feed("\"arguments\": {}}</tool_call>")
+    sent = ts.feed("Hello <tool") + ts.feed('_call>{"name": "f", ') + ts.feed('"arguments": {}}</tool_call>')
     assert sent == "Hello "
     rest, calls = ts.finish()
     assert calls[0].name == "f" and rest == ""

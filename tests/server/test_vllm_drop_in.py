@@ -12,12 +12,11 @@ import time
 
 import httpx
 import pytest
-
-from serverutil import REPO, free_port, stop_server, Server
+from serverutil import REPO, Server, free_port, stop_server
 
 pytest.importorskip("llguidance")
 
-OFFLINE_SCRIPT = textwrap.dedent('''
+OFFLINE_SCRIPT = textwrap.dedent("""
     import sys
 
     from kvtier import LLM, SamplingParams
@@ -50,22 +49,23 @@ OFFLINE_SCRIPT = textwrap.dedent('''
     print("prompt_logprobs", prompt_lp[0], sorted(prompt_lp[1]))
     defaults = llm.get_default_sampling_params()
     print("defaults", type(defaults).__name__)
-''')
+""")
 
 
 def test_typical_offline_script(server_model_dir, tmp_path):
     script = tmp_path / "offline.py"
     script.write_text(OFFLINE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, str(script), str(server_model_dir)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(server_model_dir)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("Prompt: ") for line in lines) == 2
     logprob_lines = [line.split() for line in lines if line.startswith("logprob ")]
     assert logprob_lines and all(float(f[2]) <= 0 and int(f[3]) >= 1 for f in logprob_lines)
     assert any(line in ("choice yes", "choice no") for line in lines), proc.stdout
-    abc = [line for line in lines if line.startswith("prompt_logprobs ")][0]
+    abc = next(line for line in lines if line.startswith("prompt_logprobs "))
     assert abc.startswith("prompt_logprobs None [")
     assert "defaults SamplingParams" in lines
     assert "Processed prompts" in proc.stderr  # use_tqdm=True shows vLLM's progress bar
@@ -76,16 +76,45 @@ def test_typical_model_card_serve_command(server_model_dir, tmp_path):
     --enable-prefix-caching --served-model-name A B --api-key KEY --generation-config auto
     --enable-auto-tool-choice --tool-call-parser hermes --chat-template FILE` as `kvtier serve`."""
     template = tmp_path / "template.jinja"
-    template.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    template.write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     port = free_port()
     exe = shutil.which("kvtier")
     launcher = [exe] if exe else [sys.executable, "-m", "kvtier"]
-    cmd = [*launcher, "serve", str(server_model_dir), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float", "--max-model-len", "256", "--gpu-memory-utilization", "0.5",
-           "--enable-prefix-caching", "--served-model-name", "tiny-chat", "tiny", "--api-key", "sk-card",
-           "--generation-config", "auto", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-           "--chat-template", str(template), "--kv-cache-dtype", "auto", "--block-size", "16"]
+    cmd = [
+        *launcher,
+        "serve",
+        str(server_model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float",
+        "--max-model-len",
+        "256",
+        "--gpu-memory-utilization",
+        "0.5",
+        "--enable-prefix-caching",
+        "--served-model-name",
+        "tiny-chat",
+        "tiny",
+        "--api-key",
+        "sk-card",
+        "--generation-config",
+        "auto",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--chat-template",
+        str(template),
+        "--kv-cache-dtype",
+        "auto",
+        "--block-size",
+        "16",
+    ]
     log_path = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "wb") as log:
@@ -108,12 +137,16 @@ def test_typical_model_card_serve_command(server_model_dir, tmp_path):
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-card", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny-chat", "tiny"]
         for name in ("tiny-chat", "tiny"):
-            resp = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
-                                                  max_tokens=4, temperature=0.0)
+            resp = client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0.0
+            )
             assert resp.model == "tiny-chat" and resp.usage.completion_tokens >= 1
         # the --chat-template file renders the prompt
-        tok = httpx.post(f"{server.url}/tokenize", headers={"Authorization": "Bearer sk-card"},
-                         json={"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True})
+        tok = httpx.post(
+            f"{server.url}/tokenize",
+            headers={"Authorization": "Bearer sk-card"},
+            json={"messages": [{"role": "user", "content": "hi"}], "return_token_strs": True},
+        )
         assert tok.status_code == 200 and "".join(tok.json()["token_strs"]).startswith("<user>hi<assistant>")
     finally:
         stop_server(server)

@@ -56,9 +56,11 @@ def test_multi_turn_conversations_are_counted():
 
 
 def test_mooncake_records_use_512_token_blocks_and_ms_timestamps():
-    recs = [{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
-            {"timestamp": 2000, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 3]},
-            {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]}]
+    recs = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 2000, "input_length": 1500, "output_length": 5, "hash_ids": [0, 1, 3]},
+        {"timestamp": 3000, "input_length": 600, "output_length": 5, "hash_ids": [7, 8]},
+    ]
     s = summary(analyze(parse_records(lines(recs))))
     assert s["block_tokens"] == 512
     assert s["reusable_prefix_tokens"]["p50"] == 1024 and s["reuse_interval_s"]["p50"] == 2.0
@@ -78,13 +80,14 @@ def test_real_trace_profile(tmp_path):
 
 def test_bad_lines_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="line 2 is not JSON"):
-        list(parse_records(['[1, 2]', '{oops']))
+        list(parse_records(["[1, 2]", "{oops"]))
     with pytest.raises(ValueError, match="needs --tokenizer"):
         list(parse_records(['{"prompt": "hello"}']))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"nothing": 1}\n')
-    p = subprocess.run([sys.executable, "-m", "kvtier", "analyze", str(bad)], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvtier", "analyze", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert p.returncode == 2 and "line 1" in p.stderr and "Traceback" not in p.stderr
 
 
@@ -92,8 +95,13 @@ def test_cli_json(tmp_path):
     log = tmp_path / "log.jsonl"
     system = toks(0, 160)
     log.write_text("\n".join(lines([{"prompt_token_ids": system + toks(i, 20)} for i in range(5)])) + "\n")
-    p = subprocess.run([sys.executable, "-m", "kvtier", "analyze", str(log), "--json"], capture_output=True,
-                       text=True, cwd=REPO, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "kvtier", "analyze", str(log), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     s = json.loads(p.stdout)
     assert s["requests"] == 5 and s["requests_with_reuse"] == 4

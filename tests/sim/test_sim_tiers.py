@@ -40,8 +40,14 @@ def test_memory_tier_evicts_and_orders_like_the_disk_tier(tmp_path, seed):
         assert list(mem.keys()) == list(disk.keys()), step  # same entries, same LRU order
         assert mem.usage_bytes == disk.usage_bytes, step
     sm, sd = mem.stats, disk.stats
-    assert (sm.evictions, sm.puts, sm.hits, sm.bytes_read, sm.bytes_written, sm.lookup_hits) == \
-        (sd.evictions, sd.puts, sd.hits, sd.bytes_read, sd.bytes_written, sd.lookup_hits)
+    assert (sm.evictions, sm.puts, sm.hits, sm.bytes_read, sm.bytes_written, sm.lookup_hits) == (
+        sd.evictions,
+        sd.puts,
+        sd.hits,
+        sd.bytes_read,
+        sd.bytes_written,
+        sd.lookup_hits,
+    )
     disk.close()
 
 
@@ -66,9 +72,16 @@ def test_serial_executor_runs_a_job_submitted_by_a_job_after_it():
 def _hierarchy(write_policy: str, host_blocks: int, disk_blocks: int) -> SimHierarchy:
     tiers = {"host": HostTier(host_blocks * 100), "disk": MemoryTier(disk_blocks * 200)}
     cost = CostModel(list(tiers), 100, 4)
-    return SimHierarchy(TierConfig(cache_write_policy=write_policy, io_threads=1), fingerprint=bytes(16),
-                        block_bytes=100, block_size=4, cost=cost, tiers=tiers, executor=SerialExecutor(),
-                        frame_bytes=200)
+    return SimHierarchy(
+        TierConfig(cache_write_policy=write_policy, io_threads=1),
+        fingerprint=bytes(16),
+        block_bytes=100,
+        block_size=4,
+        cost=cost,
+        tiers=tiers,
+        executor=SerialExecutor(),
+        frame_bytes=200,
+    )
 
 
 def test_sim_hierarchy_is_the_engines_write_through_and_promotion():

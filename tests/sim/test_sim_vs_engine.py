@@ -61,9 +61,19 @@ def prompts_for(trace: list[dict]) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from kvtier.model.builder import build_random_llama
+
     d = tmp_path_factory.mktemp("sim_model")
-    build_random_llama(d, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                       vocab_size=512, max_position_embeddings=512, dtype="float32")
+    build_random_llama(
+        d,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=512,
+        max_position_embeddings=512,
+        dtype="float32",
+    )
     return d
 
 
@@ -73,8 +83,12 @@ def sizes(model_dir) -> tuple[int, int]:
     from kvtier.engine.core import EngineCore
     from kvtier.tiers.codec import encode
 
-    eng = EngineCore(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32"),
-                                  cache=CacheConfig(block_size=BS, num_device_blocks=DEVICE_BLOCKS)))
+    eng = EngineCore(
+        EngineConfig(
+            model=ModelConfig(str(model_dir), dtype="float32"),
+            cache=CacheConfig(block_size=BS, num_device_blocks=DEVICE_BLOCKS),
+        )
+    )
     frame = encode(eng.runner.read_block(0), fingerprint=eng.runner.fingerprint, key=bytes(16))
     return eng.runner.kv_bytes_per_block, len(frame)
 
@@ -83,12 +97,21 @@ def run_engine(model_dir, tmp_path, trace, write_policy, host_blocks, disk_block
     from kvtier.engine.core import EngineCore
 
     block_bytes, frame_bytes = sizes
-    tiers = TierConfig(host_cache_bytes=host_blocks * block_bytes,
-                       disk_cache_dir=str(tmp_path / "disk") if disk_blocks else None,
-                       disk_cache_bytes=disk_blocks * frame_bytes + frame_bytes // 2 if disk_blocks else None,
-                       cache_write_policy=write_policy, restore_policy="always", io_threads=1)
-    eng = EngineCore(EngineConfig(model=ModelConfig(str(model_dir), dtype="float32"),
-                                  cache=CacheConfig(block_size=BS, num_device_blocks=DEVICE_BLOCKS), tiers=tiers))
+    tiers = TierConfig(
+        host_cache_bytes=host_blocks * block_bytes,
+        disk_cache_dir=str(tmp_path / "disk") if disk_blocks else None,
+        disk_cache_bytes=disk_blocks * frame_bytes + frame_bytes // 2 if disk_blocks else None,
+        cache_write_policy=write_policy,
+        restore_policy="always",
+        io_threads=1,
+    )
+    eng = EngineCore(
+        EngineConfig(
+            model=ModelConfig(str(model_dir), dtype="float32"),
+            cache=CacheConfig(block_size=BS, num_device_blocks=DEVICE_BLOCKS),
+            tiers=tiers,
+        )
+    )
     root = root_key(eng.runner.fingerprint)
     hits = {"device": 0, "host": 0, "disk": 0}
     key_names: dict[bytes, bytes] = {}  # engine block key -> simulator block key
@@ -123,11 +146,17 @@ CASES = [  # (write policy, host blocks, disk blocks); the device holds 12
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("write_policy,host_blocks,disk_blocks", CASES)
-def test_simulator_and_engine_agree_per_tier(model_dir, sizes, tmp_path, seed, write_policy, host_blocks,
-                                             disk_blocks):
+def test_simulator_and_engine_agree_per_tier(model_dir, sizes, tmp_path, seed, write_policy, host_blocks, disk_blocks):
     trace = make_trace(seed)
-    sim = TraceSimulator(DEVICE_BLOCKS - 1, block_tokens=BS, block_bytes=sizes[0], host_blocks=host_blocks,
-                         disk_blocks=disk_blocks or None, write_policy=write_policy, restore_policy="always")
+    sim = TraceSimulator(
+        DEVICE_BLOCKS - 1,
+        block_tokens=BS,
+        block_bytes=sizes[0],
+        host_blocks=host_blocks,
+        disk_blocks=disk_blocks or None,
+        write_policy=write_policy,
+        restore_policy="always",
+    )
     sim.replay(load_trace(trace, block_tokens=BS))
     sim.check_integrity()
     p = sim.result()

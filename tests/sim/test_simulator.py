@@ -18,8 +18,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def rec(ids, length=None, ts=0, bt=4):
-    return {"timestamp": ts, "input_length": len(ids) * bt if length is None else length,
-            "output_length": 1, "hash_ids": list(ids)}
+    return {
+        "timestamp": ts,
+        "input_length": len(ids) * bt if length is None else length,
+        "output_length": 1,
+        "hash_ids": list(ids),
+    }
 
 
 def run(records, cap, policy="lru", bt=4, **kw):
@@ -174,8 +178,7 @@ def test_prefill_saved_is_net_of_restore_time():
 
 
 def test_the_simulators_cost_model_keeps_the_speeds_it_was_given():
-    cm = CostModel.fixed(100, 4, read_bytes_per_s={"disk": 1e3}, latency_s={"disk": 0.01},
-                         prefill_s_per_token=1e-3)
+    cm = CostModel.fixed(100, 4, read_bytes_per_s={"disk": 1e3}, latency_s={"disk": 0.01}, prefill_s_per_token=1e-3)
     cm.tiers["disk"].observe_read(10**9, 1e-3)
     cm.tiers["disk"].observe_lookup(5.0)
     cm.tiers["disk"].observe_job(5.0)
@@ -222,8 +225,9 @@ def random_trace(n=300, seed=0):
 def test_invariants_after_replay(policy, cap, write_policy):
     recs = random_trace()
     reqs = load_trace(recs, 4)
-    sim = TraceSimulator(cap, policy=policy, block_tokens=4, block_bytes=100, host_blocks=30, disk_blocks=60,
-                         write_policy=write_policy)
+    sim = TraceSimulator(
+        cap, policy=policy, block_tokens=4, block_bytes=100, host_blocks=30, disk_blocks=60, write_policy=write_policy
+    )
     sim.replay(reqs)
     p = sim.result()
     sim.check_integrity()
@@ -262,15 +266,27 @@ def test_simulate_dict_and_more_capacity_helps_on_this_trace():
 
 def test_sim_imports_no_torch():
     code = "import sys, kvtier.sim, kvtier.sim.simulator; print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvtier", "simulate", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    return subprocess.run(
+        [sys.executable, "-m", "kvtier", "simulate", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
 
 
 def test_cli_json_contract(tmp_path):
@@ -286,19 +302,57 @@ def test_cli_json_contract(tmp_path):
     assert res["points"][1]["block_hit_rate"] == pytest.approx(3 / 7)
     assert res["points"][1]["token_hit_rate"] == pytest.approx(0.5)
 
-    out = _cli(str(trace), "--block-tokens", "4", "--sweep", "1,2", "--host-blocks", "5", "--disk-blocks", "5",
-               "--policy", "lfu", "--json")
+    out = _cli(
+        str(trace),
+        "--block-tokens",
+        "4",
+        "--sweep",
+        "1,2",
+        "--host-blocks",
+        "5",
+        "--disk-blocks",
+        "5",
+        "--policy",
+        "lfu",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert [pt["device_blocks"] for pt in res["points"]] == [1, 2]
-    for key in ("host_block_hit_rate", "host_token_hit_rate", "disk_block_hit_rate", "host_bytes_read",
-                "disk_bytes_written", "restore_decisions", "restored_blocks", "recomputed_stored_blocks",
-                "prefill_saved_s", "restore_s"):
+    for key in (
+        "host_block_hit_rate",
+        "host_token_hit_rate",
+        "disk_block_hit_rate",
+        "host_bytes_read",
+        "disk_bytes_written",
+        "restore_decisions",
+        "restored_blocks",
+        "recomputed_stored_blocks",
+        "prefill_saved_s",
+        "restore_s",
+    ):
         assert key in res["points"][0]
 
-    out = _cli(str(trace), "--block-tokens", "4", "--device-blocks", "1", "--host-bytes", "96KiB",
-               "--disk-blocks", "5", "--write-policy", "write_back", "--restore-policy", "always",
-               "--disk-gbps", "0.5", "--prefill-s-per-token-pair", "1e-9", "--json")
+    out = _cli(
+        str(trace),
+        "--block-tokens",
+        "4",
+        "--device-blocks",
+        "1",
+        "--host-bytes",
+        "96KiB",
+        "--disk-blocks",
+        "5",
+        "--write-policy",
+        "write_back",
+        "--restore-policy",
+        "always",
+        "--disk-gbps",
+        "0.5",
+        "--prefill-s-per-token-pair",
+        "1e-9",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["write_policy"] == "write_back" and res["restore_policy"] == "always"

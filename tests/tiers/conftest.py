@@ -17,9 +17,9 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -52,6 +52,7 @@ class ManualClock:
 
 
 # -- redis-server processes ------------------------------------------------------------------------
+
 
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -95,15 +96,51 @@ def make_tls_files(root: Path) -> TlsFiles:
         pytest.skip("the openssl CLI is not installed (apt-get install openssl)")
     root.mkdir(parents=True, exist_ok=True)
     for name in ("ca", "wrong-ca"):
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
-                 f"/CN=kvtier test {name}", "-keyout", str(root / f"{name}.key"),
-                 "-out", str(root / f"{name}.crt"))
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-             "-keyout", str(root / "server.key"), "-out", str(root / "server.csr"))
+        _openssl(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            f"/CN=kvtier test {name}",
+            "-keyout",
+            str(root / f"{name}.key"),
+            "-out",
+            str(root / f"{name}.crt"),
+        )
+    _openssl(
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        str(root / "server.key"),
+        "-out",
+        str(root / "server.csr"),
+    )
     (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    _openssl("x509", "-req", "-in", str(root / "server.csr"), "-CA", str(root / "ca.crt"),
-             "-CAkey", str(root / "ca.key"), "-CAcreateserial", "-days", "2",
-             "-extfile", str(root / "san.ext"), "-out", str(root / "server.crt"))
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(root / "server.csr"),
+        "-CA",
+        str(root / "ca.crt"),
+        "-CAkey",
+        str(root / "ca.key"),
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        str(root / "san.ext"),
+        "-out",
+        str(root / "server.crt"),
+    )
     return TlsFiles(root / "ca.crt", root / "server.crt", root / "server.key", root / "wrong-ca.crt")
 
 
@@ -111,8 +148,9 @@ class RedisProcess:
     """One redis-server on 127.0.0.1:port, which a test can kill, restart, pause and resume.
     With `tls`, the port speaks TLS only (and so does the cluster bus)."""
 
-    def __init__(self, binary: str, workdir: Path, port: int, extra_args: tuple[str, ...] = (),
-                 tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, binary: str, workdir: Path, port: int, extra_args: tuple[str, ...] = (), tls: TlsFiles | None = None
+    ) -> None:
         self.binary, self.workdir, self.port, self.extra_args = binary, workdir, port, extra_args
         self.tls = tls
         self.proc: subprocess.Popen | None = None
@@ -128,24 +166,55 @@ class RedisProcess:
         import redis
 
         if self.tls is not None:
-            return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, ssl=True,
-                               ssl_ca_certs=str(self.tls.ca))
+            return redis.Redis(
+                host="127.0.0.1", port=self.port, socket_timeout=2, ssl=True, ssl_ca_certs=str(self.tls.ca)
+            )
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
 
     def _port_args(self) -> list[str]:
         if self.tls is None:
             return ["--port", str(self.port)]
-        return ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
-                "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
-                "--tls-auth-clients", "no", "--tls-replication", "yes", "--tls-cluster", "yes"]
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            str(self.tls.cert),
+            "--tls-key-file",
+            str(self.tls.key),
+            "--tls-ca-cert-file",
+            str(self.tls.ca),
+            "--tls-auth-clients",
+            "no",
+            "--tls-replication",
+            "yes",
+            "--tls-cluster",
+            "yes",
+        ]
 
     def start(self, timeout_s: float = 10.0) -> None:
         log = open(self.workdir / "redis.log", "ab")
         self.proc = subprocess.Popen(
-            [self.binary, *self._port_args(), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no",
-             *self.extra_args],
-            stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
+            [
+                self.binary,
+                *self._port_args(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.workdir),
+                "--protected-mode",
+                "no",
+                *self.extra_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=self.workdir,
+        )
         log.close()
         self.wait_ready(timeout_s)
 
@@ -155,8 +224,7 @@ class RedisProcess:
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see "
-                                   f"{self.workdir / 'redis.log'}")
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}; see {self.workdir / 'redis.log'}")
             try:
                 if self.client().ping():
                     return
@@ -229,8 +297,9 @@ def _cluster_ok(node: RedisProcess) -> bool:
     return state in ("ok", b"ok") or b"cluster_state:ok" in (state if isinstance(state, bytes) else b"")
 
 
-def start_cluster(binary: str, root: Path, num_nodes: int = 3, replicas: int = 0,
-                  tls: TlsFiles | None = None) -> list[RedisProcess]:
+def start_cluster(
+    binary: str, root: Path, num_nodes: int = 3, replicas: int = 0, tls: TlsFiles | None = None
+) -> list[RedisProcess]:
     """Start `num_nodes` cluster-enabled primaries and `replicas` replicas of each, joined into
     one cluster; returns the primaries first, then the replicas (each one's role is checked).
     Waits until every replica has synced. The caller stops them; on failure this stops the
@@ -242,15 +311,38 @@ def start_cluster(binary: str, root: Path, num_nodes: int = 3, replicas: int = 0
     try:
         for i in range(num_nodes * (1 + replicas)):
             port = free_port(with_bus=True)
-            node = RedisProcess(binary, root / f"node{i}", port,
-                                ("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                                 "--cluster-node-timeout", "1000"), tls=tls)
+            node = RedisProcess(
+                binary,
+                root / f"node{i}",
+                port,
+                (
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    f"nodes-{port}.conf",
+                    "--cluster-node-timeout",
+                    "1000",
+                ),
+                tls=tls,
+            )
             node.start()
             nodes.append(node)
         tls_args = [] if tls is None else ["--tls", "--cacert", str(tls.ca)]
-        subprocess.run([cli, *tls_args, "--cluster", "create", *[f"127.0.0.1:{n.port}" for n in nodes],
-                        "--cluster-replicas", str(replicas), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                cli,
+                *tls_args,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in nodes],
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         wait_cluster_ok(nodes)
         if replicas:
             wait_replicas_synced(nodes)
@@ -264,7 +356,7 @@ def start_cluster(binary: str, root: Path, num_nodes: int = 3, replicas: int = 0
 
 
 def role(node: RedisProcess) -> str | None:
-    """"master" / "slave" as the node says (ROLE), None when it does not answer."""
+    """ "master" / "slave" as the node says (ROLE), None when it does not answer."""
     import redis
 
     try:
@@ -297,8 +389,9 @@ def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
 
 
 def wait_cluster_ok(nodes: list[RedisProcess], timeout_s: float = 20.0) -> None:
-    wait_until(lambda: all(_cluster_ok(n) for n in nodes),
-               "the test Redis Cluster to reach cluster_state:ok", timeout_s)
+    wait_until(
+        lambda: all(_cluster_ok(n) for n in nodes), "the test Redis Cluster to reach cluster_state:ok", timeout_s
+    )
 
 
 @pytest.fixture(scope="session")

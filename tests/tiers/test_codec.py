@@ -19,8 +19,7 @@ from .conftest import FINGERPRINT, OTHER_FINGERPRINT, make_keys
 
 KEY, OTHER_KEY = make_keys(2)
 COMPRESSIONS = [None, "lz4", "zstd"]
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8,
-          torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
 
 
 def _sample(dtype: torch.dtype, shape=(2, 4, 2, 16), seed: int = 0) -> torch.Tensor:

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("cryptography")
 
-from kvtier.tiers.codec import CodecError, decode, encode  # noqa: E402
-from kvtier.tiers.crypto import KeyDestroyedError, KeyStore  # noqa: E402
+from kvtier.tiers.codec import CodecError, decode, encode
+from kvtier.tiers.crypto import KeyDestroyedError, KeyStore
 
 FP = b"f" * 16
 KEY = b"k" * 16

@@ -141,14 +141,16 @@ def test_file_removed_behind_the_index_is_a_plain_miss(tmp_path: Path) -> None:
 
 # -- disk full: real kernel errors -----------------------------------------------------------------
 
+
 @contextlib.contextmanager
 def mounted_tmpfs(mount_point: Path, size: str):
     """A real small file system, for a real ENOSPC. Needs root (CAP_SYS_ADMIN); skips otherwise."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root; test_disk_full_by_file_size_limit covers EFBIG")
     mount_point.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
-                            capture_output=True)
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)], capture_output=True
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
     try:
@@ -231,6 +233,7 @@ def test_disk_full_by_file_size_limit(tmp_path: Path) -> None:
 
 # -- fault injection and health ----------------------------------------------------------------------
 
+
 def test_fault_latency_applies_to_every_op_and_bandwidth_to_bytes_moved(tmp_path: Path) -> None:
     (a,) = make_keys(1)
     payload = b"\0" * 500_000  # 50 ms at 10 MB/s
@@ -257,8 +260,13 @@ def test_fault_error_rate_is_seeded_and_counted(tmp_path: Path) -> None:
 
     def run(seed: int) -> tuple[int, list[bool]]:
         clock = ManualClock()
-        tier = DiskTier(tmp_path / str(seed), 1 << 20, fingerprint=FINGERPRINT,
-                        faults=FaultConfig(error_rate=0.3, seed=seed), health=HealthGate(clock=clock))
+        tier = DiskTier(
+            tmp_path / str(seed),
+            1 << 20,
+            fingerprint=FINGERPRINT,
+            faults=FaultConfig(error_rate=0.3, seed=seed),
+            health=HealthGate(clock=clock),
+        )
         results = []
         for key in keys:
             clock.advance(60.0)  # past any backoff: every put reaches the fault injector
@@ -334,7 +342,7 @@ def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
                 else:
                     out = load_tensor(tier, keys[i], fingerprint=FINGERPRINT)
                     assert out is None or torch.equal(out, block(i))
-                    tier.contains_prefix(keys[i:i + 4])
+                    tier.contains_prefix(keys[i : i + 4])
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 

@@ -10,8 +10,8 @@ import hashlib
 import random
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -43,8 +43,18 @@ def assert_index_matches_files(tier: DiskTier) -> None:
 
 # -- no file I/O under the index lock --------------------------------------------------------------
 
-_FS_EVENTS = {"open", "os.remove", "os.rename", "os.mkdir", "os.rmdir", "os.utime", "os.chmod",
-              "os.scandir", "os.listdir", "os.truncate"}
+_FS_EVENTS = {
+    "open",
+    "os.remove",
+    "os.rename",
+    "os.mkdir",
+    "os.rmdir",
+    "os.utime",
+    "os.chmod",
+    "os.scandir",
+    "os.listdir",
+    "os.truncate",
+}
 _watched: list[DiskTier] = []
 _fs_calls: list[tuple[str, bool]] = []
 
@@ -161,6 +171,7 @@ def test_an_evicted_keys_unlink_spares_a_newer_file_of_that_key(tmp_path: Path) 
 
 # -- racing threads ---------------------------------------------------------------------------------
 
+
 def self_checking_frame(key: bytes, version: int) -> bytes:
     """A frame that names its key and version, of a length that varies with the version, and
     ends in a digest of the rest: a torn or mixed read cannot pass for a whole frame."""
@@ -221,7 +232,7 @@ def test_racing_puts_gets_deletes_of_the_same_keys(tmp_path: Path) -> None:
                 tier.delete(key)
             else:
                 i = keys.index(key)
-                assert 0 <= tier.contains_prefix(keys[i:i + 4]) <= 4
+                assert 0 <= tier.contains_prefix(keys[i : i + 4]) <= 4
 
     run_threads(worker, 4)
     s = tier.stats
@@ -275,6 +286,7 @@ def test_reads_never_go_back_in_time_with_one_writer_per_key(tmp_path: Path) -> 
 
 
 # -- host tier ----------------------------------------------------------------------------------------
+
 
 def test_host_tier_calls_out_without_its_lock() -> None:
     """Eviction callbacks (write-back demotion) and purge predicates may be slow or call back

@@ -18,9 +18,20 @@ BS = 4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     from kvtier.model.builder import build_random_llama
+
     d = tmp_path_factory.mktemp("tier_model")
-    build_random_llama(d, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                       vocab_size=512, max_position_embeddings=1024, dtype="float32", seed=3)
+    build_random_llama(
+        d,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        vocab_size=512,
+        max_position_embeddings=1024,
+        dtype="float32",
+        seed=3,
+    )
     return d
 
 
@@ -39,6 +50,7 @@ def expected(model_dir):
         if tuple(p) not in cache:
             cache[tuple(p)] = llm.generate(p, SP)[0].outputs[0].token_ids
         return cache[tuple(p)]
+
     return get
 
 
@@ -63,8 +75,13 @@ def evict_device(llm: LLM, seed: int = 99) -> None:
 def test_same_tokens_from_device_host_disk_remote_and_recompute(model_dir, expected, tmp_path, redis_server):
     ps = prompts(1, 3)
     want = [expected(p) for p in ps]
-    llm = engine(model_dir, num_device_blocks=64, host_cache_bytes=64 << 20,
-                 disk_cache_dir=str(tmp_path / "d"), remote_cache_url=redis_server.url)
+    llm = engine(
+        model_dir,
+        num_device_blocks=64,
+        host_cache_bytes=64 << 20,
+        disk_cache_dir=str(tmp_path / "d"),
+        remote_cache_url=redis_server.url,
+    )
     assert [o.outputs[0].token_ids for o in llm.generate(ps, SP)] == want
     # device
     o = llm.generate(ps[0], SP)[0]
@@ -110,13 +127,19 @@ def test_matches_transformers_after_a_host_restore(tiny_model_dirs, reference_mo
 def test_partial_restore_host_then_recompute_past_a_slow_disk(model_dir, expected, tmp_path):
     p = prompts(3, 1)[0]
     block_bytes = None
-    llm = engine(model_dir, host_cache_bytes=1 << 30, disk_cache_dir=str(tmp_path / "d"),
-                 tier_faults={"disk": "latency_ms=300"})
+    llm = engine(
+        model_dir, host_cache_bytes=1 << 30, disk_cache_dir=str(tmp_path / "d"), tier_faults={"disk": "latency_ms=300"}
+    )
     block_bytes = llm.engine.runner.kv_bytes_per_block
     llm.close()
     # host keeps only 5 blocks (the head of the prefix: stores go tail first); disk has them all
-    llm = engine(model_dir, host_cache_bytes=5 * block_bytes, disk_cache_dir=str(tmp_path / "d"),
-                 tier_faults={"disk": "latency_ms=300"}, restore_policy="cost")
+    llm = engine(
+        model_dir,
+        host_cache_bytes=5 * block_bytes,
+        disk_cache_dir=str(tmp_path / "d"),
+        tier_faults={"disk": "latency_ms=300"},
+        restore_policy="cost",
+    )
     llm.generate(p, SP)
     llm.engine.tiers.flush()
     assert llm.reset_prefix_cache() > 0
@@ -138,8 +161,9 @@ def test_cost_model_recomputes_short_prefixes_and_restores_long_ones_from_slow_s
     llm.generate([short, long], SP)
     llm.engine.tiers.flush()
     done(llm)
-    llm = engine(model_dir, num_device_blocks=120, disk_cache_dir=str(tmp_path / "d"), tier_faults=faults,
-                 restore_policy="cost")
+    llm = engine(
+        model_dir, num_device_blocks=120, disk_cache_dir=str(tmp_path / "d"), tier_faults=faults, restore_policy="cost"
+    )
     est = llm.engine.tiers.cost.prefill
     est.theta, est.frozen = [5e-3, 0.0], True
     o_short = llm.generate(short, SP)[0]

@@ -14,8 +14,15 @@ from kvtier.tiers.base import FaultConfig, FaultInjector, HealthGate
 from kvtier.tiers.codec import load_tensor, store_tensor
 from kvtier.tiers.remote import RemoteTier, parse_url
 
-from .conftest import (FINGERPRINT, OTHER_FINGERPRINT, ManualClock, RedisProcess, env_with_repo_on_path,
-                       make_keys, wait_until)
+from .conftest import (
+    FINGERPRINT,
+    OTHER_FINGERPRINT,
+    ManualClock,
+    RedisProcess,
+    env_with_repo_on_path,
+    make_keys,
+    wait_until,
+)
 
 SHAPE = (2, 4, 2, 64)
 
@@ -33,16 +40,26 @@ def test_parse_url_forms() -> None:
     assert parse_url("rediss+cluster://a:1?ssl_ca_certs=/ca.pem") == ("rediss://a:1?ssl_ca_certs=%2Fca.pem", True)
     with pytest.raises(ValueError, match="valkey://"):
         parse_url("memcached://h:1")
-    with pytest.raises(ValueError, match="unknown option 'ssl_ca_cert'.*ssl_ca_certs"):
+    with pytest.raises(ValueError, match=r"unknown option 'ssl_ca_cert'.*ssl_ca_certs"):
         parse_url("rediss+cluster://a:1?ssl_ca_cert=/ca.pem")  # a typo is not silently dropped
     with pytest.raises(ValueError, match="needs a TLS URL: use rediss://"):
         parse_url("redis://h:1?ssl_ca_certs=/ca.pem")
     # a cluster URL's options reach RedisCluster converted as redis-py converts a server's
-    startup = RemoteTier("rediss+cluster://u:p%40ss@[::1]:7000,h2:7001?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none"
-                         "&ssl_check_hostname=false&socket_timeout=3", fingerprint=FINGERPRINT)._cluster_startup()
+    startup = RemoteTier(
+        "rediss+cluster://u:p%40ss@[::1]:7000,h2:7001?ssl_ca_certs=/ca.pem&ssl_cert_reqs=none"
+        "&ssl_check_hostname=false&socket_timeout=3",
+        fingerprint=FINGERPRINT,
+    )._cluster_startup()
     assert [(n.host, n.port) for n in startup.pop("startup_nodes")] == [("::1", 7000), ("h2", 7001)]
-    assert startup == {"ssl": True, "username": "u", "password": "p@ss", "ssl_ca_certs": "/ca.pem",
-                       "ssl_cert_reqs": "none", "ssl_check_hostname": False, "socket_timeout": 3.0}
+    assert startup == {
+        "ssl": True,
+        "username": "u",
+        "password": "p@ss",
+        "ssl_ca_certs": "/ca.pem",
+        "ssl_cert_reqs": "none",
+        "ssl_check_hostname": False,
+        "socket_timeout": 3.0,
+    }
     with pytest.raises(ValueError, match="db 0"):
         RemoteTier("redis+cluster://a:1,b:2/3", fingerprint=FINGERPRINT)
     with pytest.raises(ValueError, match="host:port"):
@@ -97,8 +114,12 @@ def test_two_processes_share_entries(redis_server: RedisProcess) -> None:
         "assert t.contains_prefix(keys) == 1, t.stats\n"
         "assert t.put(keys[1], t.get(keys[0]) + b'')\n"
     )
-    subprocess.run([sys.executable, "-c", script, redis_server.url, keys[0].hex(), keys[1].hex()],
-                   check=True, env=env_with_repo_on_path(), timeout=60)
+    subprocess.run(
+        [sys.executable, "-c", script, redis_server.url, keys[0].hex(), keys[1].hex()],
+        check=True,
+        env=env_with_repo_on_path(),
+        timeout=60,
+    )
     assert reader.contains_prefix(keys) == 2
     assert reader.get(keys[1]) == reader.get(keys[0])
 
@@ -106,8 +127,7 @@ def test_two_processes_share_entries(redis_server: RedisProcess) -> None:
 def test_server_killed_mid_run_then_restarted(redis_server: RedisProcess) -> None:
     keys = make_keys(4)
     clock = ManualClock()
-    tier = RemoteTier(redis_server.url, fingerprint=FINGERPRINT, timeout_s=0.5,
-                      health=HealthGate(clock=clock))
+    tier = RemoteTier(redis_server.url, fingerprint=FINGERPRINT, timeout_s=0.5, health=HealthGate(clock=clock))
     assert tier.put(keys[0], b"before")
     redis_server.kill()
     # misses and failed puts, no exception
@@ -147,8 +167,7 @@ def _get_calls(server: RedisProcess) -> int:
 def test_paused_server_times_out_and_recovers(redis_server: RedisProcess) -> None:
     (a,) = make_keys(1)
     clock = ManualClock()
-    tier = RemoteTier(redis_server.url, fingerprint=FINGERPRINT, timeout_s=0.2,
-                      health=HealthGate(clock=clock))
+    tier = RemoteTier(redis_server.url, fingerprint=FINGERPRINT, timeout_s=0.2, health=HealthGate(clock=clock))
     assert tier.put(a, b"x")
     redis_server.pause()
     try:
@@ -188,8 +207,7 @@ def test_valkey_url_is_accepted(redis_server: RedisProcess) -> None:
 
 
 @pytest.mark.parametrize("form", ["scheme", "query"])
-def test_cluster_spreads_keys_over_all_nodes(redis_cluster: list[RedisProcess], cluster_url: str,
-                                             form: str) -> None:
+def test_cluster_spreads_keys_over_all_nodes(redis_cluster: list[RedisProcess], cluster_url: str, form: str) -> None:
     url = cluster_url if form == "scheme" else f"redis://127.0.0.1:{redis_cluster[0].port}?cluster=1"
     # 12 chains of 10 blocks: each chain's first block starts a run (one slot per run of a
     # chain, kvcache/keys.py), so 12+ runs fall on the three primaries
@@ -201,8 +219,11 @@ def test_cluster_spreads_keys_over_all_nodes(redis_cluster: list[RedisProcess], 
     per_node = [n.client().dbsize() for n in redis_cluster[:3]]  # the primaries
     assert all(count > 0 for count in per_node), per_node  # every node holds some
     assert tier.contains_prefix(keys) == len(keys)
-    assert all(torch.equal(load_tensor(tier, k, fingerprint=FINGERPRINT), block(i % 8))
-               for i, k in enumerate(keys[::10]) for i in [keys.index(k)])
+    assert all(
+        torch.equal(load_tensor(tier, k, fingerprint=FINGERPRINT), block(i % 8))
+        for i, k in enumerate(keys[::10])
+        for i in [keys.index(k)]
+    )
     assert tier.delete(keys[50]) and tier.contains_prefix(keys) == 50  # "chains" in one list
     assert sorted(tier.keys()) == sorted(keys[:50] + keys[51:])
     assert tier.clear() == len(keys) - 1 and tier.contains_prefix(keys) == 0
@@ -236,7 +257,7 @@ def test_concurrent_workers_share_one_tier(redis_server: RedisProcess) -> None:
                 else:
                     out = load_tensor(tier, keys[i], fingerprint=FINGERPRINT)
                     assert out is None or torch.equal(out, block(i % 8))
-                    tier.contains_prefix(keys[i:i + 4])
+                    tier.contains_prefix(keys[i : i + 4])
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 

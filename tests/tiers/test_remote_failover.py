@@ -11,8 +11,7 @@ from redis.crc import key_slot
 from kvtier.tiers.base import HealthGate
 from kvtier.tiers.remote import RemoteTier
 
-from .conftest import (FINGERPRINT, ManualClock, RedisProcess, _cluster_ok, make_keys, role,
-                       start_cluster, wait_until)
+from .conftest import FINGERPRINT, ManualClock, RedisProcess, _cluster_ok, make_keys, role, start_cluster, wait_until
 
 
 def test_each_run_of_a_chain_lives_on_one_slot(redis_cluster: list[RedisProcess], cluster_url: str) -> None:
@@ -44,15 +43,16 @@ def test_primary_lost_replica_promoted_prefix_restored(redis_binary: str, tmp_pa
         assert all(tier.put(key, frame) for key, frame in zip(keys, frames))
         for replica in replicas:  # replication is asynchronous: let every replica catch up
             primary = next(p for p in primaries if p.port == _primary_of(nodes, replica))
-            wait_until(lambda: replica.client().dbsize() == primary.client().dbsize(), "replication", 20)
+            wait_until(lambda r=replica, p=primary: r.client().dbsize() == p.client().dbsize(), "replication", 20)
         # the victim: the primary holding the prefix's first block, so a restore needs failover
         victim = next(p for p in primaries if p.client().exists(tier._name(keys[0])))
         heir = next(r for r in replicas if _primary_of(nodes, r) == victim.port)
         victim.kill()
         assert tier.get_many(keys) == [None] * len(keys) and not tier.healthy
         survivors = [n for n in nodes if n is not victim]
-        wait_until(lambda: role(heir) == "master" and all(_cluster_ok(n) for n in survivors),
-                   "the replica's promotion", 30)
+        wait_until(
+            lambda: role(heir) == "master" and all(_cluster_ok(n) for n in survivors), "the replica's promotion", 30
+        )
         for _ in range(5):  # each failed probe doubles the backoff; the clock skips it
             clock.advance(tier.health.retry_in_s)
             if tier.contains_prefix(keys) == len(keys):

@@ -7,7 +7,7 @@ limiter run on a ManualClock, so nothing here waits for a backoff."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -57,8 +57,9 @@ def test_tier_recovers_whichever_operation_probes_first(redis_server: RedisProce
 
 
 @pytest.mark.parametrize("op", sorted(PROBES))
-def test_a_probe_against_a_still_dead_server_reports_failure(redis_server: RedisProcess, op: str,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_a_probe_against_a_still_dead_server_reports_failure(
+    redis_server: RedisProcess, op: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """No operation may claim a recovery without asking the server (keys() builds a lazy
     iterator: creating it is not the probe), and each failed probe doubles the backoff."""
     caplog.set_level(logging.WARNING, logger=LOGGER)
@@ -87,8 +88,9 @@ def test_interrupted_probe_does_not_wedge_the_gate(redis_server: RedisProcess) -
     assert tier.put(keys[1], b"again") and tier.healthy  # the next caller is the probe
 
 
-def test_outage_and_recovery_are_logged_at_warning_once(redis_server: RedisProcess,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_outage_and_recovery_are_logged_at_warning_once(
+    redis_server: RedisProcess, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
     clock = ManualClock()
     tier = RemoteTier(redis_server.url, fingerprint=FINGERPRINT, timeout_s=0.5, health=HealthGate(clock=clock))
@@ -136,13 +138,13 @@ def test_usage_is_resynced_after_a_restart_the_retry_hid(redis_server: RedisProc
     assert tier.usage_bytes == len(b"new")
 
 
-def test_lua_refused_by_acl_falls_back_to_exists(redis_server: RedisProcess,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_lua_refused_by_acl_falls_back_to_exists(redis_server: RedisProcess, caplog: pytest.LogCaptureFixture) -> None:
     """A server whose ACL denies scripting (and INFO, as "-@dangerous" does): contains_prefix
     answers through pipelined EXISTS, says so once at WARNING, and the tier stays healthy."""
     caplog.set_level(logging.WARNING, logger="kvtier.tiers.remote")
-    redis_server.client().execute_command("ACL", "SETUSER", "noscript", "on", ">pw", "~*", "+@all",
-                                          "-@scripting", "-info")
+    redis_server.client().execute_command(
+        "ACL", "SETUSER", "noscript", "on", ">pw", "~*", "+@all", "-@scripting", "-info"
+    )
     url = f"redis://noscript:pw@127.0.0.1:{redis_server.port}/0"
     tier = RemoteTier(url, fingerprint=FINGERPRINT)
     keys = make_keys(3)

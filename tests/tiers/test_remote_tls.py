@@ -6,8 +6,8 @@ WARNING that names the certificate problem)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -33,8 +33,9 @@ def tls_server(redis_binary: str, tmp_path: Path, tls_files: TlsFiles) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def tls_cluster(redis_binary: str, tmp_path_factory: pytest.TempPathFactory,
-                tls_files: TlsFiles) -> Iterator[list[RedisProcess]]:
+def tls_cluster(
+    redis_binary: str, tmp_path_factory: pytest.TempPathFactory, tls_files: TlsFiles
+) -> Iterator[list[RedisProcess]]:
     nodes = start_cluster(redis_binary, tmp_path_factory.mktemp("tls_cluster"), tls=tls_files)
     yield nodes
     for node in nodes:
@@ -62,43 +63,49 @@ def _refused(url: str, caplog: pytest.LogCaptureFixture) -> None:
     assert "certificate verify failed" in messages[0], messages[0]
 
 
-def test_tls_server_with_the_urls_ca(tls_server: RedisProcess, tls_files: TlsFiles,
-                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_server_with_the_urls_ca(
+    tls_server: RedisProcess, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING)
     url = f"rediss://127.0.0.1:{tls_server.port}/0?ssl_ca_certs={tls_files.ca}&ssl_cert_reqs=required"
     _round_trip(url, caplog)
 
 
-def test_tls_server_with_a_wrong_ca_is_refused_and_warned(tls_server: RedisProcess, tls_files: TlsFiles,
-                                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_server_with_a_wrong_ca_is_refused_and_warned(
+    tls_server: RedisProcess, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING)
     _refused(f"rediss://127.0.0.1:{tls_server.port}/0?ssl_ca_certs={tls_files.wrong_ca}", caplog)
 
 
 def _cluster_url(nodes: list[RedisProcess], ca: Path, extra: str = "") -> str:
-    return ("rediss+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes)
-            + f"?ssl_ca_certs={ca}{extra}")
+    return "rediss+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in nodes) + f"?ssl_ca_certs={ca}{extra}"
 
 
-def test_tls_cluster_with_the_urls_ca(tls_cluster: list[RedisProcess], tls_files: TlsFiles,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_cluster_with_the_urls_ca(
+    tls_cluster: list[RedisProcess], tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING)
     tier = _round_trip(_cluster_url(tls_cluster, tls_files.ca, "&ssl_cert_reqs=required"), caplog)
     assert tier.cluster
     assert sum(n.client().dbsize() for n in tls_cluster) >= 8  # really stored over TLS
 
 
-def test_tls_cluster_with_a_wrong_ca_is_refused_and_warned(tls_cluster: list[RedisProcess],
-                                                           tls_files: TlsFiles,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_cluster_with_a_wrong_ca_is_refused_and_warned(
+    tls_cluster: list[RedisProcess], tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING)
     _refused(_cluster_url(tls_cluster, tls_files.wrong_ca), caplog)
 
 
-def test_tls_cluster_without_verification_when_asked(tls_cluster: list[RedisProcess],
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_tls_cluster_without_verification_when_asked(
+    tls_cluster: list[RedisProcess], caplog: pytest.LogCaptureFixture
+) -> None:
     """ssl_cert_reqs=none reaches the cluster client too (a self-signed test deployment)."""
     caplog.set_level(logging.WARNING)
-    url = ("rediss+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in tls_cluster)
-           + "?ssl_cert_reqs=none&ssl_check_hostname=false")
+    url = (
+        "rediss+cluster://"
+        + ",".join(f"127.0.0.1:{n.port}" for n in tls_cluster)
+        + "?ssl_cert_reqs=none&ssl_check_hostname=false"
+    )
     _round_trip(url, caplog)

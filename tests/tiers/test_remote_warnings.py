@@ -35,8 +35,13 @@ print("errors", tier.stats.errors, "skipped", tier.stats.skipped)
 
 
 def test_disk_full_is_one_warning_naming_the_kind(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "disk")],
-                         capture_output=True, text=True, env=env_with_repo_on_path(), timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "disk")],
+        capture_output=True,
+        text=True,
+        env=env_with_repo_on_path(),
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, out.stderr

@@ -22,12 +22,14 @@ def main() -> None:
 
     out: dict = {}
     out["unknown_key"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "1GiB", "hots_cache": 1})
-    out["selective"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "1GiB",
-                                                          "cache_write_policy": "selective"})
+    out["selective"] = _error(
+        kv.tier_config_from_extra, {"host_cache_bytes": "1GiB", "cache_write_policy": "selective"}
+    )
     out["no_tier"] = _error(kv.tier_config_from_extra, {})
     out["bad_size"] = _error(kv.tier_config_from_extra, {"host_cache_bytes": "lots"})
-    config, options = kv.tier_config_from_extra({"host_cache_bytes": "8GiB", "disk_cache_dir": "/tmp/x",
-                                                 "remote_lookup_wait_ms": 2})
+    config, options = kv.tier_config_from_extra(
+        {"host_cache_bytes": "8GiB", "disk_cache_dir": "/tmp/x", "remote_lookup_wait_ms": 2}
+    )
     out["parsed"] = [config.host_cache_bytes, config.disk_cache_dir, options["remote_lookup_wait_s"]]
     os.environ.pop("KVTIER_VLLM_ALLOW_UNTESTED", None)
     out["untested_version"] = _error(kv.check_vllm_version, "0.99.1")

@@ -31,16 +31,16 @@ def _vllm_python() -> str | None:
     candidate = os.environ.get("KVTIER_VLLM_PYTHON") or str(REPO / ".venv-vllm" / "bin" / "python")
     if not Path(candidate).exists():
         return None
-    probe = subprocess.run([candidate, "-c", "import vllm, kvtier.integrations.vllm"], capture_output=True,
-                           timeout=300)
+    probe = subprocess.run([candidate, "-c", "import vllm, kvtier.integrations.vllm"], capture_output=True, timeout=300)
     return candidate if probe.returncode == 0 else None
 
 
 VLLM_PY = _vllm_python()
 if VLLM_PY is None and os.environ.get("KVTIER_REQUIRE_VLLM") == "1":
     raise RuntimeError("KVTIER_REQUIRE_VLLM=1 but no working vLLM environment (KVTIER_VLLM_PYTHON / .venv-vllm)")
-pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM environment (scripts/vllm-venv.sh builds "
-                                                        ".venv-vllm; or set KVTIER_VLLM_PYTHON)")
+pytestmark = pytest.mark.skipif(
+    VLLM_PY is None, reason="no vLLM environment (scripts/vllm-venv.sh builds .venv-vllm; or set KVTIER_VLLM_PYTHON)"
+)
 
 BLOCK = 128
 POOL_BYTES = 3 << 20
@@ -62,9 +62,18 @@ def _build_model(out: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         intermediate_size=256, vocab_size=512, max_position_embeddings=2048,
-                         initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=256,
+        vocab_size=512,
+        max_position_embeddings=2048,
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
@@ -80,8 +89,14 @@ def _run(tmp: Path, name: str, spec: dict, env: dict[str, str] | None = None) ->
     full_env = dict(os.environ, **(env or {}))
     full_env.pop("PYTHONPATH", None)
     with open(log_path, "w") as log:
-        proc = subprocess.run([VLLM_PY, str(RUNNER), str(spec_path), str(out_path)], stdout=log,
-                              stderr=subprocess.STDOUT, env=full_env, timeout=900, cwd=tmp)
+        proc = subprocess.run(
+            [VLLM_PY, str(RUNNER), str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            timeout=900,
+            cwd=tmp,
+        )
     text = log_path.read_text()
     assert proc.returncode == 0, f"vLLM run {name} failed:\n{text[-6000:]}"
     out = json.loads(out_path.read_text())
@@ -90,8 +105,15 @@ def _run(tmp: Path, name: str, spec: dict, env: dict[str, str] | None = None) ->
 
 
 def _spec(model: Path, phases: list[dict], connector: dict | None, dtype: str = "float32") -> dict:
-    return {"model": str(model), "dtype": dtype, "kv_cache_bytes": POOL_BYTES, "connector": connector,
-            "max_num_seqs": 4, "block_size": BLOCK, "phases": phases}
+    return {
+        "model": str(model),
+        "dtype": dtype,
+        "kv_cache_bytes": POOL_BYTES,
+        "connector": connector,
+        "max_num_seqs": 4,
+        "block_size": BLOCK,
+        "phases": phases,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,42 +126,77 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     disk = str(tmp / "disk")
     try:
         purge = {"salt": "tenant-p", "disk_cache_dir": disk, "remote_cache_url": redis_url, "wait_s": 1.0}
-        first = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]},
-                 {"prompts": [A], "salts": ["tenant-b"]}, {"prompts": [A_HALF]},
-                 {"prompts": [C], "salts": ["tenant-p"]},
-                 {"prompts": [C], "salts": ["tenant-p"], "before": {"reset_prefix_cache": True}},
-                 {"prompts": [C], "salts": ["tenant-p"], "before": {"purge": purge, "reset_prefix_cache": True}}]
+        first = [
+            {"prompts": [A, B]},
+            {"prompts": OTHERS},
+            {"prompts": [A]},
+            {"prompts": [A], "salts": ["tenant-b"]},
+            {"prompts": [A_HALF]},
+            {"prompts": [C], "salts": ["tenant-p"]},
+            {"prompts": [C], "salts": ["tenant-p"], "before": {"reset_prefix_cache": True}},
+            {"prompts": [C], "salts": ["tenant-p"], "before": {"purge": purge, "reset_prefix_cache": True}},
+        ]
         # restore_policy "always": on this tiny model recomputing is nearly free, and the cost
         # model would (rightly) recompute; the restore path is what these runs check (p4 checks
         # the cost model's choice)
-        p1 = {"host_cache_bytes": "64MiB", "disk_cache_dir": disk, "remote_cache_url": redis_url,
-              "purge_check_interval_s": 0.2, "restore_policy": "always"}
+        p1 = {
+            "host_cache_bytes": "64MiB",
+            "disk_cache_dir": disk,
+            "remote_cache_url": redis_url,
+            "purge_check_interval_s": 0.2,
+            "restore_policy": "always",
+        }
         # the slowed disk writes behind the engine: the revisits wait until every block of the
         # first two phases is on disk (A and B: 4 full blocks each, OTHERS: 5 each)
         slow = str(tmp / "disk_slow")
         stored = {"wait_files": {"dir": slow, "count": 8 + 5 * len(OTHERS), "timeout_s": 120}}
         p4_phases = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A], "before": stored}, {"prompts": [B]}]
-        p4 = {"disk_cache_dir": slow, "faults": {"disk": "latency_ms=100"},
-              "restore_policy": "cost"}
+        p4 = {"disk_cache_dir": slow, "faults": {"disk": "latency_ms=100"}, "restore_policy": "cost"}
         p2_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"corrupt_dir": disk}}]
         p3_phases = [{"prompts": [A]}, {"prompts": [B], "before": {"kill_pid": redis_proc.pid}}]
         bf16 = [{"prompts": [A, B]}, {"prompts": OTHERS}, {"prompts": [A]}]
         out: dict[str, dict] = {}
         with ThreadPoolExecutor(2) as pool:  # two vLLM processes at a time: start-up is mostly imports
             plain = [{k: v for k, v in ph.items() if k != "before"} for ph in first]
-            jobs = {"base": pool.submit(_run, tmp, "base", _spec(model, plain, None)),
-                    "p1": pool.submit(_run, tmp, "p1", _spec(model, first, p1))}
+            jobs = {
+                "base": pool.submit(_run, tmp, "base", _spec(model, plain, None)),
+                "p1": pool.submit(_run, tmp, "p1", _spec(model, first, p1)),
+            }
             out.update({k: f.result() for k, f in jobs.items()})
-            jobs = {"p2": pool.submit(_run, tmp, "p2", _spec(model, p2_phases, {"disk_cache_dir": disk,
-                                                                                 "restore_policy": "always"}),
-                                      {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),
-                    "bf16_base": pool.submit(_run, tmp, "bf16_base", _spec(model, bf16, None, "bfloat16"))}
+            jobs = {
+                "p2": pool.submit(
+                    _run,
+                    tmp,
+                    "p2",
+                    _spec(model, p2_phases, {"disk_cache_dir": disk, "restore_policy": "always"}),
+                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+                ),
+                "bf16_base": pool.submit(_run, tmp, "bf16_base", _spec(model, bf16, None, "bfloat16")),
+            }
             out.update({k: f.result() for k, f in jobs.items()})
-            jobs = {"p3": pool.submit(_run, tmp, "p3", _spec(model, p3_phases, {"remote_cache_url": redis_url,
-                                                                                 "restore_policy": "always"})),
-                    "bf16": pool.submit(_run, tmp, "bf16", _spec(
-                        model, bf16, {"host_cache_bytes": "64MiB", "disk_cache_dir": str(tmp / "disk_bf16"),
-                                      "restore_policy": "always"}, "bfloat16"))}
+            jobs = {
+                "p3": pool.submit(
+                    _run,
+                    tmp,
+                    "p3",
+                    _spec(model, p3_phases, {"remote_cache_url": redis_url, "restore_policy": "always"}),
+                ),
+                "bf16": pool.submit(
+                    _run,
+                    tmp,
+                    "bf16",
+                    _spec(
+                        model,
+                        bf16,
+                        {
+                            "host_cache_bytes": "64MiB",
+                            "disk_cache_dir": str(tmp / "disk_bf16"),
+                            "restore_policy": "always",
+                        },
+                        "bfloat16",
+                    ),
+                ),
+            }
             out.update({k: f.result() for k, f in jobs.items()})
             out["p4"] = _run(tmp, "p4", _spec(model, p4_phases, p4))
         return out
@@ -224,8 +281,9 @@ def test_connector_metrics_reach_vllm(runs):
 
 
 def test_connector_configuration_errors_and_helpers():
-    proc = subprocess.run([VLLM_PY, str(RUNNER.with_name("connector_checks.py"))], capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [VLLM_PY, str(RUNNER.with_name("connector_checks.py"))], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "unknown kv_connector_extra_config keys ['hots_cache']" in out["unknown_key"]
@@ -266,12 +324,37 @@ def test_openai_server_with_connector_restores_and_shows_metrics(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    conn = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"host_cache_bytes": "64MiB"}}
-    cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--enable-prefix-caching", "--block-size", str(BLOCK),
-           "--kv-cache-memory-bytes", str(POOL_BYTES), "--max-model-len", "1024", "--enforce-eager",
-           "--served-model-name", "tiny", "--kv-transfer-config", json.dumps(conn)]
+    conn = {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"host_cache_bytes": "64MiB"},
+    }
+    cmd = [
+        VLLM_PY,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--enable-prefix-caching",
+        "--block-size",
+        str(BLOCK),
+        "--kv-cache-memory-bytes",
+        str(POOL_BYTES),
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--served-model-name",
+        "tiny",
+        "--kv-transfer-config",
+        json.dumps(conn),
+    ]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     env.pop("PYTHONPATH", None)
     log = open(tmp_path / "server.log", "w")
@@ -291,8 +374,13 @@ def test_openai_server_with_connector_restores_and_shows_metrics(tmp_path):
         prompt = " ".join(f"w{t}" for t in A)
 
         def ask():
-            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0,
-                                          extra_body={"cache_salt": "tenant-s", "ignore_eos": True})
+            r = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=6,
+                temperature=0.0,
+                extra_body={"cache_salt": "tenant-s", "ignore_eos": True},
+            )
             return r.choices[0].text
 
         first = ask()

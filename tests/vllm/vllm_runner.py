@@ -23,15 +23,19 @@ import time
 def _connector_config(extra: dict):
     from vllm.config import KVTransferConfig
 
-    return KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-                            kv_role="kv_both", kv_connector_extra_config=extra)
+    return KVTransferConfig(
+        kv_connector="KVTierConnector",
+        kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config=extra,
+    )
 
 
 def _count_files(directory: str) -> int:
     return sum(name.endswith(".kv") for _, _, files in os.walk(directory) for name in files)
 
 
-def _wait_files(dir: str, count: int, timeout_s: float = 120.0) -> None:  # noqa: A002 - the spec's key
+def _wait_files(dir: str, count: int, timeout_s: float = 120.0) -> None:
     """Until `dir` holds `count` finished entries (*.kv; writes in flight are *.tmp). Raises after
     `timeout_s`, so a lost write fails the run instead of hanging it."""
     deadline = time.monotonic() + timeout_s
@@ -45,12 +49,20 @@ def main() -> None:
     spec = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
 
-    kwargs = dict(model=spec["model"], dtype=spec.get("dtype", "float32"), skip_tokenizer_init=True,
-                  enable_prefix_caching=True, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
-                  max_num_seqs=spec.get("max_num_seqs", 8), max_model_len=spec.get("max_model_len", 1024),
-                  block_size=spec.get("block_size", 128), seed=0,
-                  max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
-                  enforce_eager=spec.get("enforce_eager", True), disable_log_stats=False)
+    kwargs = dict(
+        model=spec["model"],
+        dtype=spec.get("dtype", "float32"),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=int(spec["kv_cache_bytes"]),
+        max_num_seqs=spec.get("max_num_seqs", 8),
+        max_model_len=spec.get("max_model_len", 1024),
+        block_size=spec.get("block_size", 128),
+        seed=0,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 2048),
+        enforce_eager=spec.get("enforce_eager", True),
+        disable_log_stats=False,
+    )
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = _connector_config(spec["connector"])
     llm = LLM(**kwargs)
@@ -79,12 +91,14 @@ def main() -> None:
             wait_s = float(args.pop("wait_s", 1.0))
             out.setdefault("purges", []).append(purge_stored(args.pop("salt"), **args))
             time.sleep(wait_s)  # the workers poll purge requests (purge_check_interval_s)
-            llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, detokenize=False),
-                         use_tqdm=False)  # one step: the scheduler learns what the workers dropped
+            llm.generate(
+                [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False
+            )  # one step: the scheduler learns what the workers dropped
         if before.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
-        params = SamplingParams(max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                                detokenize=False)
+        params = SamplingParams(
+            max_tokens=phase.get("max_tokens", 8), temperature=0.0, ignore_eos=True, detokenize=False
+        )
         salts = phase.get("salts") or [None] * len(phase["prompts"])
         prompts = []
         for ids, salt in zip(phase["prompts"], salts):
@@ -105,17 +119,20 @@ def main() -> None:
         for r in results:
             m = getattr(r, "metrics", None)
             ttft.append(getattr(m, "first_token_latency", None) if m is not None else None)
-        out["phases"].append({
-            "outputs": [list(r.outputs[0].token_ids) for r in results],
-            "cached": [r.num_cached_tokens for r in results],
-            "seconds": seconds, "ttft": ttft,
-        })
+        out["phases"].append(
+            {
+                "outputs": [list(r.outputs[0].token_ids) for r in results],
+                "cached": [r.num_cached_tokens for r in results],
+                "seconds": seconds,
+                "ttft": ttft,
+            }
+        )
     out["metrics"] = {}
     try:
         for metric in llm.get_metrics():
             if "kvtier" in metric.name:
                 out["metrics"][metric.name] = getattr(metric, "value", None)
-    except Exception as e:  # noqa: BLE001 - recorded, the test says what it needs
+    except Exception as e:
         out["metrics_error"] = repr(e)
     json.dump(out, open(sys.argv[2], "w"))
 
