@@ -11,7 +11,11 @@ ids. Defaults follow the issue's workload: random dataset, prefix 512, input 128
 prompts, concurrency 8, ignore_eos. vLLM runs once per `--vllm-bindings` value
 (VLLM_CPU_OMP_THREADS_BIND); the contended scenario runs benchmarks/corunner.py (one busy core)
 while each server is measured. Every figure is the client's (same client, same wall clock for
-both servers). Results are appended to `--out` as they come; one JSON object is printed at the end.
+both servers). All servers start first and stay up; each repeat runs the client once against every
+server in turn (interleaved, so that a drift of the machine's speed hits all of them alike), with a
+new seed per repeat, so each repeat brings a new shared prefix. One short warm-up run per server
+comes first and is not counted. Medians over the repeats, with the min and max, and the ratios of
+the medians; results are appended to `--out` as they come; one JSON object is printed at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,7 +149,14 @@ def start_vllm(vllm_python: str, model: Path, port: int, kv_bytes: int, binding:
 
 
 def run_client(
-    vllm_python: str, url: str, tokenizer: Path, args: argparse.Namespace, result_dir: Path, name: str
+    vllm_python: str,
+    url: str,
+    tokenizer: Path,
+    args: argparse.Namespace,
+    result_dir: Path,
+    name: str,
+    seed: int = 0,
+    num_prompts: int | None = None,
 ) -> dict:
     cmd = [
         vllm_python,
@@ -170,7 +182,7 @@ def run_client(
         "--random-output-len",
         str(args.output_len),
         "--num-prompts",
-        str(args.num_prompts),
+        str(num_prompts or args.num_prompts),
         "--max-concurrency",
         str(args.concurrency),
         "--ignore-eos",
@@ -179,7 +191,7 @@ def run_client(
         "--metric-percentiles",
         "50,99",
         "--seed",
-        "0",
+        str(seed),
         "--save-result",
         "--result-dir",
         str(result_dir),
@@ -192,6 +204,38 @@ def run_client(
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-5:]}
     res = json.loads(path.read_text())
     return {k: res.get(k) for k in KEYS}
+
+
+HIGHER_IS_BETTER = ("request_throughput", "output_throughput")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Median, min and max of each metric over the repeats that completed."""
+    ok = [r for r in runs if "error" not in r]
+    out: dict = {"repeats": len(ok), "errors": [r["error"] for r in runs if "error" in r]}
+    for k in KEYS:
+        xs = sorted(r[k] for r in ok if r.get(k) is not None)
+        if xs:
+            out[k] = {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "all": [r.get(k) for r in ok]}
+    return out
+
+
+def ratios(results: dict) -> dict:
+    """kvtier against the faster vLLM binding (by median request throughput), per metric, as
+    'times better': throughput kvtier / vLLM, latencies vLLM / kvtier (> 1: kvtier is ahead)."""
+    kv = results.get("kvtier")
+    peers = {n: r for n, r in results.items() if n.startswith("vllm") and "request_throughput" in r}
+    if not kv or "request_throughput" not in kv or not peers:
+        return {}
+    best = max(peers, key=lambda n: peers[n]["request_throughput"]["median"])
+    out: dict = {"against": best}
+    for k in KEYS:
+        if k in ("completed", "duration") or k not in kv or k not in peers[best]:
+            continue
+        a, b = kv[k]["median"], peers[best][k]["median"]
+        if a and b:
+            out[k] = round(a / b if k in HIGHER_IS_BETTER else b / a, 3)
+    return out
 
 
 def main() -> None:
@@ -210,6 +254,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--pool-tokens", type=int, default=2048 * 16, help="device KV pool of both servers, tokens")
+    ap.add_argument("--repeats", type=int, default=3, help="client runs per server and scenario (new seed each)")
     ap.add_argument("--out", default=None, help="append each result to this JSON-lines file")
     args = ap.parse_args()
 
@@ -247,34 +292,54 @@ def main() -> None:
         },
         "scenarios": {},
     }
-    for scenario in args.scenarios:
-        cores = 1 if scenario == "contended" else 0
-        with corunner.running(cores):
-            machine = measure()
-        record({"scenario": scenario, "machine": machine})
-        results: dict = {}
-        for name, binding in servers:
+    procs: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name, binding in servers:  # all up before any is measured; idle servers do not run
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            log = work / f"{scenario}-{name}.log"
+            log = work / f"{name}.log"
             proc = (
                 start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags)
                 if name == "kvtier"
                 else start_vllm(args.vllm_python, model, port, kv_bytes, binding, log)
             )
+            procs[name] = (proc, url)
             try:
                 _wait_ready(url, proc)
-                with corunner.running(cores):
-                    res = run_client(args.vllm_python, url, model, args, work, f"{scenario}-{name}")
+                warm = run_client(args.vllm_python, url, model, args, work, f"warmup-{name}", seed=1000, num_prompts=8)
+                if "error" in warm:
+                    raise RuntimeError(f"warm-up failed: {warm['error']}")
             except Exception as e:
-                res = {"error": repr(e), "log_tail": log.read_text(errors="replace")[-1500:]}
-            finally:
                 stop_process(proc, timeout_s=30)
-            res["loadavg_after"] = os.getloadavg()
-            results[name] = res
-            record({"scenario": scenario, "server": name, "result": res})
-            print(f"[serve_bench] {scenario:>9} {name:>20} {json.dumps(res)[:240]}", file=sys.stderr, flush=True)
-        report["scenarios"][scenario] = {"machine": machine, "results": results}
+                del procs[name]
+                tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+                record({"server": name, "error": repr(e), "log_tail": tail})
+                print(f"[serve_bench] {name} did not start: {e!r}", file=sys.stderr, flush=True)
+        for scenario in args.scenarios:
+            cores = 1 if scenario == "contended" else 0
+            with corunner.running(cores):
+                machine = measure()
+            record({"scenario": scenario, "machine": machine})
+            runs: dict[str, list[dict]] = {name: [] for name in procs}
+            for r in range(args.repeats):
+                for name, (_proc, url) in procs.items():
+                    seed = r + (100 if scenario == "contended" else 0)
+                    with corunner.running(cores):
+                        res = run_client(args.vllm_python, url, model, args, work, f"{scenario}-{name}-{r}", seed=seed)
+                    res["loadavg_after"] = os.getloadavg()
+                    runs[name].append(res)
+                    record({"scenario": scenario, "server": name, "repeat": r, "result": res})
+                    print(
+                        f"[serve_bench] {scenario:>9} {name:>20} #{r} {json.dumps(res)[:200]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            results = {name: summarize(rs) for name, rs in runs.items()}
+            report["scenarios"][scenario] = {"machine": machine, "results": results, "ratios": ratios(results)}
+            record({"scenario": scenario, "summary": results, "ratios": report["scenarios"][scenario]["ratios"]})
+    finally:
+        for proc, _url in procs.values():
+            stop_process(proc, timeout_s=30)
     shutil.rmtree(work, ignore_errors=True)
     print(json.dumps(report, indent=1))
 

@@ -1,11 +1,17 @@
-"""Engine configuration: frozen dataclasses, one per concern, composed."""
+"""Engine configuration: frozen dataclasses, one per concern, composed.
+
+Importing it imports no other kvtier module: the scheduler's and the tiers' own configs
+(SchedulerConfig, TierConfig) are imported when an EngineConfig first needs their defaults.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kvtier.sched.scheduler import SchedulerConfig
-from kvtier.tiers.hierarchy import TierConfig
+if TYPE_CHECKING:
+    from kvtier.sched.scheduler import SchedulerConfig
+    from kvtier.tiers.hierarchy import TierConfig
 
 
 @dataclass(frozen=True)
@@ -88,10 +94,24 @@ class DriftConfig:
         return self.sample_rate > 0.0
 
 
+def _scheduler_config() -> SchedulerConfig:
+    from kvtier.sched.scheduler import SchedulerConfig
+
+    return SchedulerConfig()
+
+
+def _tier_config() -> TierConfig:
+    from kvtier.tiers.hierarchy import TierConfig
+
+    return TierConfig()
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything an engine is built from; only `model` has no default."""
+
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    tiers: TierConfig = field(default_factory=TierConfig)
+    scheduler: SchedulerConfig = field(default_factory=_scheduler_config)
+    tiers: TierConfig = field(default_factory=_tier_config)
     drift: DriftConfig = field(default_factory=DriftConfig)

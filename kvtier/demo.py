@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEMO_MODEL = dict(
+DEMO_MODEL: dict[str, Any] = dict(
     hidden_size=512,
     num_layers=8,
     num_heads=8,
@@ -100,7 +100,7 @@ def default_model_dir() -> Path:
 
 
 def ensure_demo_model(model_dir: Path | None = None) -> Path:
-    """Build the demo checkpoint if it is not there yet (about a second)."""
+    """Build the demo checkpoint if it is not there yet (a small random model: quick)."""
     from kvtier.model.builder import build_random_llama
     from kvtier.model.tokenizer import build_byte_tokenizer
 

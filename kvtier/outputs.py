@@ -11,8 +11,10 @@ class Logprob(float):
     Plain floats stay valid wherever a Logprob is expected: arithmetic and JSON see a float."""
 
     __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
 
-    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None):
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
         self = super().__new__(cls, logprob)
         self.rank = rank
         self.decoded_token = decoded_token

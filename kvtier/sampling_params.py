@@ -89,7 +89,7 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

@@ -2,8 +2,8 @@
 choice of strings or a grammar (Lark or GBNF), as vLLM's `StructuredOutputsParams`.
 
 The grammar engine is llguidance (an optional extra, `pip install kvtier[structured]`): a Rust
-library with no Python dependencies that computes the allowed-token mask of a grammar state in
-tens of microseconds and releases the GIL while it does. (xgrammar, vLLM's default, needs
+library with no Python dependencies that computes the allowed-token mask of a grammar state
+quickly and releases the GIL while it does. (xgrammar, vLLM's default, needs
 torch, transformers and triton; outlines-core needs its own vocabulary index per schema.)
 
 Per sequence a `Matcher` follows the tokens generated so far. Each step the engine asks it for

@@ -27,8 +27,8 @@ two for the engine process):
     KVTIER_RESERVED_CPUS     CPUs kept for helpers under auto (default 0 up to 4 usable CPUs,
                              else 1 per 16, at least 1)
     KVTIER_OMP_WAIT          bounded (default) | passive | active: barrier waiting. bounded sets
-                             GOMP_SPINCOUNT=KVTIER_OMP_SPINCOUNT (default 20000, tens of
-                             microseconds); passive sleeps at once (OMP_WAIT_POLICY=PASSIVE);
+                             GOMP_SPINCOUNT=KVTIER_OMP_SPINCOUNT (default 20000: a short
+                             spin); passive sleeps at once (OMP_WAIT_POLICY=PASSIVE);
                              active is libgomp's own default. An OMP_WAIT_POLICY or
                              GOMP_SPINCOUNT already set wins over all three.
 
@@ -121,9 +121,9 @@ def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     except (OSError, ValueError):
         pass
     try:
-        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
-        return None if quota <= 0 else quota / period
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
     except (OSError, ValueError):
         return None
 

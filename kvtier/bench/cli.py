@@ -10,12 +10,10 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
+from kvtier.bench.runner import SCENARIOS, BenchConfig, run
 from kvtier.bench.workloads import WORKLOADS, WorkloadConfig
-from kvtier.cli.main import _positive_int, _size  # the parsers of the engine flags
-
-SCENARIOS = ("run", "concurrency", "host_full", "slow_storage", "mixed", "isolation")
+from kvtier.cli.args import positive_int, size  # the types of the engine flags
 
 DESCRIPTION = """\
 Benchmarks an OpenAI-compatible server with cache-heavy workloads: kvtier itself (--model: the
@@ -43,7 +41,7 @@ def _positive_float(text: str) -> float:
 
 
 def _int_list(text: str) -> tuple[int, ...]:
-    out = tuple(_positive_int(p.strip()) for p in text.split(",") if p.strip())
+    out = tuple(positive_int(p.strip()) for p in text.split(",") if p.strip())
     if not out:
         raise argparse.ArgumentTypeError("give comma-separated integers, e.g. 1,2,4,8")
     return out
@@ -107,11 +105,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     w.add_argument("--workload-seed", type=int, default=0, help="seed of the prompts and arrivals (default 0)")
     w.add_argument(
         "--vocab-size",
-        type=_positive_int,
+        type=positive_int,
         default=32000,
         help="synthetic token ids are drawn below this (default 32000)",
     )
-    w.add_argument("--output-tokens", type=_positive_int, default=16, help="max_tokens per request (default 16)")
+    w.add_argument("--output-tokens", type=positive_int, default=16, help="max_tokens per request (default 16)")
     w.add_argument(
         "--rate",
         type=_positive_float,
@@ -121,7 +119,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument(
         "--concurrency",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="sessions in flight at most (default 4; unlimited for trace and --rate)",
     )
@@ -134,25 +132,25 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     d = WorkloadConfig()
     for flag, kind, help_text in (
-        ("num_groups", _positive_int, "shared_prefix: groups"),
-        ("prompts_per_group", _positive_int, "shared_prefix: prompts per group"),
-        ("system_tokens", _positive_int, "shared_prefix / multi_turn: system prompt tokens"),
-        ("question_tokens", _positive_int, "shared_prefix / rag: question tokens"),
-        ("num_sessions", _positive_int, "multi_turn / agent: sessions (agent: flows)"),
-        ("turns", _positive_int, "multi_turn / agent: turns (steps) per session"),
-        ("user_tokens", _positive_int, "multi_turn: user tokens per turn (agent: task tokens)"),
-        ("reply_tokens", _positive_int, "multi_turn: synthesized assistant tokens per turn"),
+        ("num_groups", positive_int, "shared_prefix: groups"),
+        ("prompts_per_group", positive_int, "shared_prefix: prompts per group"),
+        ("system_tokens", positive_int, "shared_prefix / multi_turn: system prompt tokens"),
+        ("question_tokens", positive_int, "shared_prefix / rag: question tokens"),
+        ("num_sessions", positive_int, "multi_turn / agent: sessions (agent: flows)"),
+        ("turns", positive_int, "multi_turn / agent: turns (steps) per session"),
+        ("user_tokens", positive_int, "multi_turn: user tokens per turn (agent: task tokens)"),
+        ("reply_tokens", positive_int, "multi_turn: synthesized assistant tokens per turn"),
         ("think_time_s", _nonneg_float, "multi_turn / agent: mean think time between turns (s)"),
-        ("tool_tokens", _positive_int, "agent: shared tool-definition tokens"),
-        ("branches", _positive_int, "agent: sessions each flow branches into"),
+        ("tool_tokens", positive_int, "agent: shared tool-definition tokens"),
+        ("branches", positive_int, "agent: sessions each flow branches into"),
         ("shared_steps", int, "agent: steps the branches of a flow share"),
-        ("step_tokens", _positive_int, "agent: tokens appended per step"),
-        ("doc_pool", _positive_int, "rag: documents in the pool"),
-        ("docs_per_request", _positive_int, "rag: documents per request"),
-        ("doc_tokens", _positive_int, "rag: tokens per document"),
-        ("instruction_tokens", _positive_int, "rag: fixed instruction tokens"),
-        ("num_requests", _positive_int, "independent / rag / isolation: requests"),
-        ("prompt_tokens", _positive_int, "independent: prompt tokens"),
+        ("step_tokens", positive_int, "agent: tokens appended per step"),
+        ("doc_pool", positive_int, "rag: documents in the pool"),
+        ("docs_per_request", positive_int, "rag: documents per request"),
+        ("doc_tokens", positive_int, "rag: tokens per document"),
+        ("instruction_tokens", positive_int, "rag: fixed instruction tokens"),
+        ("num_requests", positive_int, "independent / rag / isolation: requests"),
+        ("prompt_tokens", positive_int, "independent: prompt tokens"),
     ):
         w.add_argument(
             "--" + flag.replace("_", "-"),
@@ -172,15 +170,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     tr.add_argument(
         "--block-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=512,
         help="tokens synthesized per hash id (default 512; smaller scales the trace down, input lengths scaled alike)",
     )
     tr.add_argument(
-        "--trace-block-tokens", type=_positive_int, default=512, help="tokens per hash id in the trace (default 512)"
+        "--trace-block-tokens", type=positive_int, default=512, help="tokens per hash id in the trace (default 512)"
     )
     tr.add_argument("--speedup", type=_positive_float, default=1.0, help="divide arrival times by this (default 1)")
-    tr.add_argument("--limit", type=_positive_int, default=None, help="replay the first N records")
+    tr.add_argument("--limit", type=positive_int, default=None, help="replay the first N records")
     tr.add_argument(
         "--trace-output-lengths", action="store_true", help="use the records' output_length (capped by --output-tokens)"
     )
@@ -212,7 +210,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--host-full-bytes",
-        type=_size,
+        type=size,
         default=8 << 20,
         metavar="SIZE",
         help="host tier of the host_full scenario (default 8MiB)",
@@ -226,9 +224,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
-def config_from_args(args: argparse.Namespace) -> Any:
-    from kvtier.bench.runner import BenchConfig
-
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
     fields = {k[3:]: v for k, v in vars(args).items() if k.startswith("wl_")}
     wc = WorkloadConfig(
         seed=args.workload_seed,
@@ -299,8 +295,6 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from kvtier.bench.runner import run
-
     try:
         import httpx  # noqa: F401
     except ImportError:

@@ -273,6 +273,7 @@ async def send(
                         rec.ttft_s = now - start
                         rec.itl_s.extend([0.0] * (n_tokens - 1))  # tokens that came with the first
                     elif n_tokens:
+                        assert last is not None  # set with first
                         rec.itl_s.extend([(now - last) / n_tokens] * n_tokens)
                         last = now
                 if chunk.get("usage"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,7 +220,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------ plots
 def plots(
-    result: dict[str, Any], records_by_run: dict[str, Sequence[RequestRecord]], out_dir: Path, stem: str
+    result: dict[str, Any], records_by_run: Mapping[str, Sequence[RequestRecord]], out_dir: Path, stem: str
 ) -> list[str]:
     """TTFT CDF (cold vs warm, every run) and, for a sweep, p50/p95 TTFT vs concurrency."""
     try:

@@ -23,11 +23,12 @@ from typing import Any
 
 from kvtier.bench import metrics as M
 from kvtier.bench import server as S
-from kvtier.bench.cli import SCENARIOS
 from kvtier.bench.client import ClientConfig, PrefixTracker, RequestRecord, run_sessions
 from kvtier.bench.report import machine, markdown, plots, summarize
 from kvtier.bench.workloads import Session, WorkloadConfig, build
 
+SCENARIOS = ("run", "concurrency", "host_full", "slow_storage", "mixed", "isolation")
+"""What `BenchConfig.scenario` may name (see above)."""
 PRESSURE_DEVICE_BLOCKS = 64
 """Device pool of the pressure scenarios when the command sets none (so the tiers get used)."""
 DEFAULT_SLOW_FAULTS = {"host": "latency_ms=50,bandwidth_mbps=100"}

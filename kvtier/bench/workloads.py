@@ -21,6 +21,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvtier.trace import TraceRecord, as_records, by_time, read_trace
+
 VOCAB = 32000
 FIRST_TOKEN = 100
 """Synthetic token ids stay in [FIRST_TOKEN, vocab): clear of special ids."""
@@ -284,54 +286,29 @@ def trace_prompt(
     return tokens + synth_tokens(seed, pad_key, input_length - len(tokens), vocab)
 
 
-def load_records(path: str, limit: int | None = None) -> list[dict]:
-    import json
-
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON: {e}") from None
-            if not isinstance(r, dict) or "hash_ids" not in r:
-                raise ValueError(
-                    f"{path}:{n}: a Mooncake record needs timestamp, input_length, output_length and hash_ids"
-                )
-            records.append(r)
-            if limit is not None and len(records) >= limit:
-                break
-    return records
-
-
-def trace(c: WorkloadConfig, records: Sequence[dict] | None = None) -> list[Session]:
+def trace(c: WorkloadConfig, records: Sequence[dict | TraceRecord] | None = None) -> list[Session]:
     """Mooncake trace replay: each record is a request due at (timestamp - first) / speedup
     (ms -> s); its prompt is synthesized from its hash ids. Cold/warm: decided by how much of
-    the prompt was sent before (prefix_key None)."""
+    the prompt was sent before (prefix_key None). `records`: given instead of `c.trace`."""
     if records is None:
         if not c.trace:
             raise ValueError("the trace workload needs --trace FILE.jsonl (Mooncake format)")
-        records = load_records(c.trace, c.limit)
-    elif c.limit is not None:
-        records = list(records)[: c.limit]
+        checked = read_trace(c.trace, c.limit)
+    else:
+        checked = as_records(records if c.limit is None else list(records)[: c.limit])
     if c.speedup <= 0:
         raise ValueError(f"--speedup must be positive, got {c.speedup}")
-    records = sorted(records, key=lambda r: r.get("timestamp", 0))  # stable
-    t0 = records[0].get("timestamp", 0) if records else 0
+    checked = by_time(checked)
+    t0 = checked[0].time_ms if checked else 0.0
     sessions = []
-    for i, r in enumerate(records):
-        ids = list(r["hash_ids"])
-        length = scaled_input_length(
-            int(r.get("input_length", len(ids) * c.trace_block_tokens)), c.block_tokens, c.trace_block_tokens
-        )
+    for i, r in enumerate(checked):
+        ids = r.hash_ids
+        length = scaled_input_length(r.num_tokens(c.trace_block_tokens), c.block_tokens, c.trace_block_tokens)
         out = c.output_tokens
-        if c.trace_output and r.get("output_length"):
-            out = max(1, min(int(r["output_length"]), c.output_tokens))
+        if c.trace_output and r.output_length:
+            out = max(1, min(r.output_length, c.output_tokens))
         prompt = trace_prompt(ids, length, c.seed, c.block_tokens, c.vocab_size)
-        arrival = (float(r.get("timestamp", 0)) - t0) / 1000.0 / c.speedup
+        arrival = (r.time_ms - t0) / 1000.0 / c.speedup
         sessions.append(
             Session(
                 f"trace{i}",

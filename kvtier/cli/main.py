@@ -10,84 +10,30 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from typing import Any
 
+from kvtier.cli.args import (
+    fraction,
+    int_list,
+    integer,
+    parse_size,  # noqa: F401  (re-exported: kvtier.integrations.vllm and tests import it from here)
+    port,
+    positive_float,
+    positive_int,
+    size,
+)
 from kvtier.model.kv_names import KV_CACHE_DTYPES  # torch-free: flags are checked before torch loads
+from kvtier.sim.config import TierSpeeds
 
 # torch-free too (tests/test_boundaries.py checks it): `kvtier --help` and flag errors do not wait for torch
 from kvtier.tiers.hierarchy import TIER_ORDER as TIERS
 from kvtier.tiers.hierarchy import WRITE_POLICIES
 
+_SPEEDS = TierSpeeds()
+"""The simulator's default speeds: `kvtier simulate`'s flags start from them."""
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "kb": 10**3,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "mb": 10**6,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "gb": 10**9,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "tb": 10**12,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """A byte count: "1048576", "512MiB", "2GB", "1.5GiB", "64k".
-
-    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000.
-    """
-    m = _SIZE_RE.match(str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}; use bytes or a unit, e.g. 1048576, 512MiB, 2GB")
-    value = float(m.group(1)) * _SIZE_UNITS[unit]
-    if value < 1:
-        raise ValueError(f"invalid size {text!r}; must be at least 1 byte")
-    return int(value)
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
 
 
 def _tier_fault(text: str) -> tuple[str, str]:
@@ -168,7 +114,7 @@ def add_engine_args(
         metavar="{" + ",".join(DTYPES) + "}",
         help=f"weights and KV dtype ({dtype_help}); vLLM's half, float and bfloat16 too",
     )
-    e.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block (default 16)")
+    e.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default 16)")
     e.add_argument(
         "--kv-cache-dtype",
         type=_kv_dtype,
@@ -180,33 +126,33 @@ def add_engine_args(
     )
     e.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="context length in tokens, prompt and output (default: the checkpoint's)",
     )
     pool = e.add_mutually_exclusive_group()
-    pool.add_argument("--num-device-blocks", type=_positive_int, default=None, help="blocks in the device KV pool")
+    pool.add_argument("--num-device-blocks", type=positive_int, default=None, help="blocks in the device KV pool")
     pool.add_argument(
         "--kv-cache-bytes",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)",
     )
     pool.add_argument(
         "--gpu-memory-utilization",
-        type=_fraction,
+        type=fraction,
         default=None,
         metavar="FRACTION",
         help="the share of the memory available after the weights that the KV pool takes "
         "(vLLM's name; default 0.25, at most 4GiB)",
     )
-    e.add_argument("--max-num-seqs", type=_positive_int, default=None, help="running sequences at most (default 64)")
+    e.add_argument("--max-num-seqs", type=positive_int, default=None, help="running sequences at most (default 64)")
     e.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=None, help="tokens per step at most (default 2048)"
+        "--max-num-batched-tokens", type=positive_int, default=None, help="tokens per step at most (default 2048)"
     )
-    e.add_argument("--seed", type=_int, default=None, help="seed of requests without their own (default 0)")
+    e.add_argument("--seed", type=integer, default=None, help="seed of requests without their own (default 0)")
     e.add_argument(
         "--no-prefix-caching",
         "--no-enable-prefix-caching",
@@ -233,13 +179,13 @@ def add_engine_args(
     )
     e.add_argument(
         "--num-threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="CPU compute threads (default: one per CPU of the compute set; env KVTIER_NUM_THREADS)",
     )
     e.add_argument(
         "--kv-drift-sample-rate",
-        type=_fraction,
+        type=fraction,
         default=None,
         metavar="FRACTION",
         help="fraction of requests re-computed with full-precision KV after they finish; mean KL "
@@ -248,7 +194,7 @@ def add_engine_args(
 
     t = parser.add_argument_group("KV tiers below the device")
     t.add_argument(
-        "--host-cache-bytes", type=_size, default=None, metavar="SIZE", help="host-memory tier size, e.g. 8GiB"
+        "--host-cache-bytes", type=size, default=None, metavar="SIZE", help="host-memory tier size, e.g. 8GiB"
     )
     t.add_argument(
         "--disk-cache-dir",
@@ -258,7 +204,7 @@ def add_engine_args(
     )
     t.add_argument(
         "--disk-cache-bytes",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="disk tier capacity (default 16GiB; needs --disk-cache-dir)",
@@ -271,14 +217,14 @@ def add_engine_args(
     )
     t.add_argument(
         "--remote-ttl-s",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="time to live of remote entries (default: no expiry)",
     )
     t.add_argument(
         "--remote-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         metavar="SECONDS",
         help="connect and per-command socket timeout of the remote tier (default 1)",
@@ -781,27 +727,6 @@ def _eval_kv(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
-    return value
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    values = []
-    for part in text.split(","):
-        part = part.strip()
-        if part:
-            values.append(_positive_int(part))
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return tuple(values)
-
-
 def _kv_dtype_list(text: str) -> tuple[str, ...]:
     names = tuple(p.strip() for p in text.split(",") if p.strip())
     bad = [n for n in names if n not in KV_CACHE_DTYPES or n == "auto"]
@@ -810,13 +735,6 @@ def _kv_dtype_list(text: str) -> tuple[str, ...]:
             f"invalid KV dtype {bad[0] if bad else text!r} (choose from {', '.join(KV_CACHE_DTYPES[1:])})"
         )
     return names
-
-
-def _port(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -844,17 +762,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--prefix-repeats",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="length of the shared system prompt (default 3 for a trained model, 12 untrained)",
     )
     d.add_argument(
         "--max-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="output tokens per request (default 48 for a trained model, 4 untrained)",
     )
-    d.add_argument("--repeats", type=_positive_int, default=3, help="measurements per way in part two (default 3)")
+    d.add_argument("--repeats", type=positive_int, default=3, help="measurements per way in part two (default 3)")
     d.add_argument("--no-tiers", action="store_true", help="skip part two (device, host, disk, recompute)")
     d.add_argument("--json", action="store_true", help="also print the summary as JSON")
     add_engine_args(d, dtype_help="default: float32 on CPU, bfloat16 on GPU")
@@ -863,7 +781,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for prompts with a local checkpoint")
     g.add_argument("--model", required=True, help="Hugging Face model directory or .gguf file")
     g.add_argument("prompt", nargs="+")
-    g.add_argument("--max-tokens", type=_positive_int, default=32)
+    g.add_argument("--max-tokens", type=positive_int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument(
@@ -908,7 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--model", default=None, help="the same, as a flag")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=_port, default=8000, help="default 8000")
+    s.add_argument("--port", type=port, default=8000, help="default 8000")
     s.add_argument(
         "--served-model-name",
         nargs="+",
@@ -965,14 +883,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-body-bytes",
-        type=_size,
+        type=size,
         default=4 << 20,
         metavar="SIZE",
         help="larger request bodies get a 413 (default 4MiB)",
     )
     s.add_argument(
         "--max-prompts-per-request",
-        type=_positive_int,
+        type=positive_int,
         default=128,
         metavar="N",
         help="a /v1/completions batch of more prompts gets a 400, so one request "
@@ -980,7 +898,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-seqs-per-request",
-        type=_positive_int,
+        type=positive_int,
         default=256,
         metavar="N",
         help="a request asking for more sequences (prompts x n) gets a 400 (default 256)",
@@ -1056,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--ttl-sweep-interval-s",
-        type=_positive_float,
+        type=positive_float,
         default=10.0,
         metavar="SECONDS",
         help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)",
@@ -1074,14 +992,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("log", help="JSONL file")
     a.add_argument(
         "--block-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="tokens per block (default 16; 512 for Mooncake records)",
     )
     a.add_argument("--tokenizer", default=None, metavar="DIR", help="tokenize text requests with this model dir")
     a.add_argument(
         "--kv-bytes-per-token",
-        type=_positive_int,
+        type=positive_int,
         default=12 * 1024,
         help="for sizing advice (default 12 KiB, the reference model in bf16)",
     )
@@ -1098,7 +1016,7 @@ def build_parser() -> argparse.ArgumentParser:
         "cost model at given speeds: hits per tier, bytes moved, prefill time saved.",
     )
     m.add_argument("trace", help="JSONL trace file")
-    m.add_argument("--block-tokens", type=_positive_int, default=512, help="tokens per hash id (default 512)")
+    m.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash id (default 512)")
     m.add_argument(
         "--device-blocks",
         "--sweep",
@@ -1109,19 +1027,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="device eviction policy (default lru)")
     host = m.add_mutually_exclusive_group()
-    host.add_argument("--host-blocks", type=_positive_int, default=None, help="host tier capacity in blocks")
+    host.add_argument("--host-blocks", type=positive_int, default=None, help="host tier capacity in blocks")
     host.add_argument(
         "--host-bytes",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="host tier capacity in bytes (e.g. 64GiB), as the engine's --host-cache-bytes",
     )
     disk = m.add_mutually_exclusive_group()
-    disk.add_argument("--disk-blocks", type=_positive_int, default=None, help="disk tier capacity in blocks")
+    disk.add_argument("--disk-blocks", type=positive_int, default=None, help="disk tier capacity in blocks")
     disk.add_argument(
         "--disk-bytes",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="disk tier capacity in bytes; an entry is a block plus a 100-byte header",
@@ -1134,7 +1052,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--selective-min-hits",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         help="with --write-policy selective: device hits before a block is written down (default 2)",
     )
@@ -1146,7 +1064,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--block-bytes",
-        type=_size,
+        type=size,
         default=None,
         metavar="SIZE",
         help="KV bytes per block (default 12KiB x --block-tokens, the reference model)",
@@ -1156,30 +1074,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     speed.add_argument(
         "--host-gbps",
-        type=_positive_float,
-        default=7.2,
+        type=positive_float,
+        default=_SPEEDS.host_bytes_per_s / 1e9,
         metavar="GB/S",
-        help="restore throughput from host, read + copy into the pool (default 7.2)",
+        help=f"restore throughput from host, read + copy into the pool (default {_SPEEDS.host_bytes_per_s / 1e9:g})",
     )
     speed.add_argument(
-        "--host-latency-ms", type=float, default=1e-3, metavar="MS", help="per restore touching host (default 0.001)"
+        "--host-latency-ms",
+        type=float,
+        default=_SPEEDS.host_latency_s * 1e3,
+        metavar="MS",
+        help=f"per restore touching host (default {_SPEEDS.host_latency_s * 1e3:g})",
     )
     speed.add_argument(
         "--disk-gbps",
-        type=_positive_float,
-        default=1.85,
+        type=positive_float,
+        default=_SPEEDS.disk_bytes_per_s / 1e9,
         metavar="GB/S",
-        help="restore throughput from disk (default 1.85)",
+        help=f"restore throughput from disk (default {_SPEEDS.disk_bytes_per_s / 1e9:g})",
     )
     speed.add_argument(
-        "--disk-latency-ms", type=float, default=0.1, metavar="MS", help="per restore touching disk (default 0.1)"
+        "--disk-latency-ms",
+        type=float,
+        default=_SPEEDS.disk_latency_s * 1e3,
+        metavar="MS",
+        help=f"per restore touching disk (default {_SPEEDS.disk_latency_s * 1e3:g})",
     )
     speed.add_argument(
         "--prefill-s-per-token",
-        type=_positive_float,
-        default=0.78e-3,
+        type=positive_float,
+        default=_SPEEDS.prefill_s_per_token,
         metavar="SECONDS",
-        help="prefill cost per new token (default 0.78e-3)",
+        help=f"prefill cost per new token (default {_SPEEDS.prefill_s_per_token:g})",
     )
     speed.add_argument(
         "--prefill-s-per-token-pair",
@@ -1188,7 +1114,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="attention cost per (new, context) token pair: t = a*n + b*n*(c + n/2) (default 0)",
     )
-    m.add_argument("--limit", type=_positive_int, default=None, help="replay only the first N records")
+    m.add_argument("--limit", type=positive_int, default=None, help="replay only the first N records")
     m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.set_defaults(func=_simulate, subparser=None)
@@ -1230,7 +1156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--context-lengths",
-        type=_int_list,
+        type=int_list,
         default=(128, 256, 512, 1024, 2048),
         metavar="L1,L2,...",
         help="context lengths in tokens (default 128,256,512,1024,2048)",
@@ -1243,14 +1169,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--score-tokens",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="scored decode positions per window and length (default 64)",
     )
-    k.add_argument("--num-windows", type=_positive_int, default=8, help="windows of the text (default 8)")
+    k.add_argument("--num-windows", type=positive_int, default=8, help="windows of the text (default 8)")
     k.add_argument(
         "--block-size",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="tokens per KV block: quantized KV keeps one scale per block and KV head (default 16)",
     )

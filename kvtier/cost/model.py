@@ -161,6 +161,23 @@ class RestoreDecision:
 
 
 class CostModel:
+    """Estimates restoring stored blocks against recomputing them, and picks the cheaper mix.
+
+    Contract:
+
+    - `decide(device_tokens, runs, prompt_tokens)` weighs restoring the first k stored blocks
+      of `runs` (in chain order: only a leading part can be restored), for every k from 0 to
+      all of them, and returns the k with the least restore + remaining prefill time (the
+      smallest such k on a tie; with `restore_all`, every stored block). It only reads.
+    - `restore_s(per_tier)`: seconds to load that many blocks from each tier and copy them into
+      the device pool; per tier touched, latency + queue wait + bytes / read bandwidth.
+    - The speeds are estimates that measurements move: `tiers[name]` (lookup latency, read
+      bandwidth, job time), `h2d` (copy into the pool), `prefill` (PrefillEstimator) and
+      `queue_s` (set from the tier hierarchy's pending I/O). The hierarchy and the engine feed
+      them; `fixed` builds a model whose speeds nothing moves (the simulator's).
+    - Only the tiers named at construction exist: a run or count on another raises KeyError.
+    """
+
     def __init__(self, tier_names: list[str], block_bytes: int, block_size: int, h2d_bytes_per_s: float = 1e10) -> None:
         self.tiers = {name: TierSpeed(name) for name in tier_names}
         self.block_bytes = block_bytes

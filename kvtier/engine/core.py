@@ -14,15 +14,16 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvtier.config import EngineConfig
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
+from kvtier.engine.tenants import EngineTenants
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample, top_logprobs
@@ -31,6 +32,9 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
 from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from kvtier.structured import GrammarCompiler
 
 logger = logging.getLogger("kvtier.engine")
 
@@ -81,13 +85,13 @@ class _Group:
     detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
     decoded: list[bool] = field(default_factory=list)
     """Whether texts[i] is final (the sequence ended and its text was decoded)."""
-    logprobs: list[list[dict[int, float]]] = field(default_factory=list)
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)
     cum_logprobs: list[float] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     stop_reasons: list[int | str | None] = field(default_factory=list)
     num_preemptions: int = 0
     tenant: str | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Filled position by position as the prompt is computed (SamplingParams.prompt_logprobs)."""
     matchers: list[Any] = field(default_factory=list)
     """Structured outputs: each sequence's grammar state (kvtier.structured.Matcher) or None."""
@@ -98,6 +102,20 @@ class _Group:
 
 
 class EngineCore:
+    """The engine: turns requests into outputs one `step()` at a time (the module docstring's
+    loop), over a model runner, a Scheduler and its KVCacheManager, and the tiers below the
+    device when configured.
+
+    Owns the runner, the cache manager, the scheduler, the tier hierarchy, the tenant
+    administration (`tenants`: purges, TTLs, quotas, usage) and the user-level request groups
+    (n samples of one prompt, their texts, logprobs and grammar state). Not thread-safe: one
+    thread calls everything (LLM's caller, or the server's engine thread: kvtier.server.
+    async_engine and engine_proc). A grammar-mask helper thread and the tiers' workers run
+    beside it, reached only through futures.
+
+    Invariants (`check_integrity`, whenever no step is running): the unfinished sequences of
+    its groups are exactly the scheduler's live requests; plus the Scheduler's invariants."""
+
     def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
         from kvtier.model.runner import ModelRunner
 
@@ -153,15 +171,16 @@ class EngineCore:
         self._seq_group: dict[str, _Group] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._default_gen = torch.Generator(device="cpu").manual_seed(mc.seed)
-        self._grammars = None  # kvtier.structured.GrammarCompiler, built at the first constrained request
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self._token_texts: dict[int, str] = {}  # token id -> its text alone (Logprob.decoded_token)
-        self._mask_pool = None
+        self._mask_pool: ThreadPoolExecutor | None = None
         self._fork_matchers: dict[str, list[Any]] = {}
         self._ids = itertools.count()
         self.step_stats = StepStats()
         self.drift = DriftMonitor(config.drift, self.runner) if config.drift.enabled else None
         """The online KV drift monitor (kvtier.engine.drift); None at sample rate 0."""
-        self.tenant_ttl_s: dict[str | None, float] = {}
+        self.tenants = EngineTenants(self.kv, self.tiers, self.runner.kv_bytes_per_block, self._store_blocks)
+        """Purges, per-tenant TTLs, quotas and usage (kvtier.engine.tenants)."""
         if self.tiers is not None:
             from kvtier.engine.calibrate import calibrate
 
@@ -351,23 +370,24 @@ class EngineCore:
             self.team.before_step(out.num_batched_tokens)
         t1 = time.perf_counter()
         masks = self._grammar_masks(out)  # on a helper thread while the forward pass runs
-        rows, targets = self._prompt_rows(out)
-        if rows:
-            logits, row_logits = self.runner.execute_rows(out, rows)
+        prompt_rows, targets = self._prompt_rows(out)
+        if prompt_rows:
+            logits, row_logits = self.runner.execute_rows(out, prompt_rows)
+            assert row_logits is not None, "the runner returned no logits for the prompt rows"
             self._record_prompt_logprobs(row_logits, targets)
         else:
             logits = self.runner.execute(out)
         t2 = time.perf_counter()
         if self.tiers is not None:
             self._observe_prefill(out, t2 - t1)
-        rows, forks = self._sample_rows(out, masks.result() if masks is not None else {})
+        rows, row_keys, forks = self._sample_rows(out, masks.result() if masks is not None else {})
         samples = sample(logits, rows) if rows else []
         t3 = time.perf_counter()
-        sampled = {key: s.token_id for key, s in zip(self._row_keys, samples)}
+        by_key = dict(zip(row_keys, samples))
         if self.drift is not None:
             self._record_drift(out, logits)
-        finished = self.scheduler.update_from_output(out, sampled)
-        moved = self._process(out, samples, forks, finished)
+        finished = self.scheduler.update_from_output(out, {key: s.token_id for key, s in by_key.items()})
+        moved = self._process(out, samples, by_key, forks, finished)
         if self.tiers is not None:
             self._store_blocks()  # blocks just computed (write-through), before they can go
         t4 = time.perf_counter()
@@ -382,7 +402,7 @@ class EngineCore:
             self.drift.run_pending()  # going idle: no later step would pick these up
         return moved
 
-    def _grammar_compiler(self):
+    def _grammar_compiler(self) -> GrammarCompiler:
         if self._grammars is None:
             from kvtier.structured import GrammarCompiler
 
@@ -408,8 +428,6 @@ class EngineCore:
         if not jobs:
             return None
         if self._mask_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
             from kvtier import threads
 
             # off the compute CPUs (it would inherit the engine thread's pin and take its core)
@@ -446,6 +464,7 @@ class EngineCore:
         lp = torch.log_softmax(logits.float(), dim=-1)
         for i, (group, pos) in enumerate(targets):
             entry = top_logprobs(lp[i], group.prompt_token_ids[pos], group.params.prompt_logprobs)
+            assert group.prompt_logprobs is not None  # _prompt_rows picks only such groups
             group.prompt_logprobs[pos] = self._decoded(entry)
 
     def _decoded(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
@@ -460,36 +479,40 @@ class EngineCore:
 
     def _record_drift(self, out: SchedulerOutput, logits: torch.Tensor) -> None:
         """Served logits of tracked requests; row r of `logits` is the r-th sampled seq."""
+        drift = self.drift
+        assert drift is not None
         r = 0
         for seq in out.seqs:
             if not seq.sample:
                 continue
-            if self.drift.is_tracked(seq.req_id):
+            if drift.is_tracked(seq.req_id):
                 req = self.scheduler.requests[seq.req_id]
-                self.drift.record(seq.req_id, len(req.output_token_ids), logits[r])
+                drift.record(seq.req_id, len(req.output_token_ids), logits[r])
             r += 1
 
     # ------------------------------------------------------------------ tiers
     def _store_blocks(self) -> None:
+        """Read the blocks the cache manager queued for the tiers and hand them down (before
+        anything overwrites them)."""
         todo = self.kv.take_blocks_to_store()
         if todo:
+            assert self.tiers is not None, "blocks to store without tiers"
             self.tiers.store(
-                [key for _, key, _ in todo],
-                self.runner.read_block_list([b for b, _, _ in todo]),
-                [owner for _, _, owner in todo],
+                [t.key for t in todo],
+                self.runner.read_block_list([t.block_id for t in todo]),
+                [t.owner for t in todo],
             )
 
     def _write_loads(self, out: SchedulerOutput) -> None:
         """Copy restored KV into its device blocks; the copy time counts as restore time."""
         if not out.block_loads:
             return
+        assert self.tiers is not None, "block loads without tiers"
         t0 = time.perf_counter()
-        self.runner.write_block_list(
-            [block_id for _, block_id, _ in out.block_loads], [kv for _, _, kv in out.block_loads]
-        )
+        self.runner.write_block_list([load.block_id for load in out.block_loads], [load.kv for load in out.block_loads])
         per_req: dict[str, int] = {}
-        for req_id, _, _ in out.block_loads:
-            per_req[req_id] = per_req.get(req_id, 0) + 1
+        for load in out.block_loads:
+            per_req[load.req_id] = per_req.get(load.req_id, 0) + 1
         dt = time.perf_counter() - t0
         total = len(out.block_loads)
         if dt > 0:
@@ -500,13 +523,16 @@ class EngineCore:
                 req.restore_s += dt * n / total
 
     def _observe_prefill(self, out: SchedulerOutput, seconds: float) -> None:
+        """Feed the step's forward time to the cost model's prefill estimate."""
+        assert self.tiers is not None
+        prefill = self.tiers.cost.prefill
         x0 = x1 = 0.0
         for seq in out.seqs:
-            a, b = self.tiers.cost.prefill.features(len(seq.token_ids), seq.start_pos)
+            a, b = prefill.features(len(seq.token_ids), seq.start_pos)
             x0 += a
             x1 += b
         if x0:
-            self.tiers.cost.prefill.observe((x0, x1), seconds)
+            prefill.observe((x0, x1), seconds)
 
     def _idle_wait(self) -> None:
         """Nothing to compute: wait briefly for background I/O instead of spinning."""
@@ -516,113 +542,66 @@ class EngineCore:
 
             wait(pending, timeout=0.01, return_when=FIRST_COMPLETED)
 
-    # ------------------------------------------------------------------ purges
+    # ------------------------------------------------------------------ tenants (EngineTenants)
     def abort_tenant(self, tenant: str | None) -> list[RequestOutput]:
         """Abort every unfinished request of `tenant` (waiting, loading or running); their
         final outputs (finish_reason "abort"). The first step of a purge."""
-        return [self.abort_request(rid) for rid, g in list(self._groups.items()) if g.tenant == tenant]
+        return self._abort_groups([rid for rid, g in self._groups.items() if g.tenant == tenant])
 
     def abort_all(self) -> list[RequestOutput]:
-        return [self.abort_request(rid) for rid in list(self._groups)]
+        """Abort every unfinished request; their final outputs."""
+        return self._abort_groups(list(self._groups))
+
+    def _abort_groups(self, request_ids: list[str]) -> list[RequestOutput]:
+        outs = [self.abort_request(rid) for rid in request_ids]
+        return [o for o in outs if o is not None]
 
     def begin_purge_tenant(self, tenant: str | None, everywhere: bool = True) -> tuple[dict[str, int], Future | None]:
-        """The engine-thread part of a purge, after `abort_tenant`: queued write-backs go down
-        (fenced with the old stamp, so the purge deletes them), the tenant's device blocks
-        leave the prefix index, and its tier I/O is fenced off. The future (None without
-        tiers) runs the tier part on the admin worker; see TierHierarchy.begin_purge."""
-        if self.tiers is not None:
-            self._store_blocks()
-        removed = self._evict_cached(lambda n: n.owner == tenant)
-        counts = {"device": removed, "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
-        future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
-        return counts, future
-
-    def _evict_cached(self, select) -> int:
-        """Evict the unreferenced device blocks whose prefix-index node `select` picks; a parent
-        can go only after its children, so repeat until a round evicts nothing. Returns how many."""
-        pool, index = self.kv.pool, self.kv.index
-        removed = 0
-        while True:
-            n = sum(pool.evict_cached(key) for key in [node.key for node in index.nodes() if select(node)])
-            removed += n
-            if n == 0:
-                return removed
+        """The engine-thread part of a purge, after `abort_tenant` (EngineTenants.begin_purge)."""
+        return self.tenants.begin_purge(tenant, everywhere)
 
     def purge_tenant(self, tenant: str | None) -> dict[str, Any]:
         """Abort `tenant`'s requests, delete its KV from the device pool and every tier, and
         destroy its data key (blocking; the server runs the tier part off the engine thread)."""
         aborted = self.abort_tenant(tenant)
-        counts, future = self.begin_purge_tenant(tenant)
-        if future is not None:
-            counts.update(future.result())
+        counts = self.tenants.purge(tenant)
         counts["aborted_requests"] = len(aborted)
         return counts
 
     def begin_purge_all(self) -> tuple[dict[str, int], Future | None]:
         """`begin_purge_tenant` for every tenant (after `abort_all`)."""
-        counts = {"device": self.kv.pool.evict_all()}
-        self.kv.take_blocks_to_store()  # a purge writes nothing down (write-back eviction log)
-        future = self.tiers.begin_purge_all() if self.tiers is not None else None
-        return counts, future
+        return self.tenants.begin_purge_all()
 
     def purge_all(self) -> dict[str, Any]:
         """Every tenant's KV out of the device pool and every tier (blocking)."""
         aborted = self.abort_all()
-        counts, future = self.begin_purge_all()
-        if future is not None:
-            counts.update(future.result())
+        counts = self.tenants.purge_all()
         counts["aborted_requests"] = len(aborted)
         return counts
 
     def set_tenant_ttl(self, tenant: str | None, ttl_s: float | None) -> None:
         """KV of `tenant` lives at most `ttl_s` in any tier (enforced by `sweep_expired`)."""
-        if ttl_s is None:
-            self.tenant_ttl_s.pop(tenant, None)
-        else:
-            self.tenant_ttl_s[tenant] = float(ttl_s)
-        if self.tiers is not None:
-            self.tiers.owner_ttl_s = dict(self.tenant_ttl_s)
+        self.tenants.set_ttl(tenant, ttl_s)
 
     def set_tenant_quota(
         self, tenant: str | None, host_bytes: int | None = None, disk_bytes: int | None = None
     ) -> None:
         """Cap `tenant`'s bytes in the host and disk tiers (its own oldest blocks go first)."""
-        if self.tiers is not None:
-            if host_bytes is None and disk_bytes is None:
-                self.tiers.owner_quota.pop(tenant, None)
-            else:
-                self.tiers.owner_quota[tenant] = (host_bytes, disk_bytes)
+        self.tenants.set_quota(tenant, host_bytes, disk_bytes)
 
     def sweep_expired(self) -> dict[str, dict[str, int]]:
-        """Drop each TTL'd tenant's KV older than its TTL: device (unreferenced blocks, leaves
-        first), host and disk; Redis expires entries itself (blocking)."""
-        out, future = self.begin_sweep_expired()
-        if future is not None:
-            for tenant, counts in future.result().items():
-                out[tenant].update(counts)
-        return out
+        """Drop each TTL'd tenant's KV older than its TTL in every tier (blocking)."""
+        return self.tenants.sweep_expired()
 
     def begin_sweep_expired(self) -> tuple[dict[str, dict[str, int]], Future | None]:
         """The device part of `sweep_expired` now; the tier part on the admin worker."""
-        out: dict[str, dict[str, int]] = {}
-        now = time.monotonic()
-        for tenant, ttl in self.tenant_ttl_s.items():
-            removed = self._evict_cached(lambda n, t=tenant, cut=now - ttl: n.owner == t and n.created < cut)
-            out[str(tenant)] = {"device": removed}
-        if self.tiers is None or not self.tenant_ttl_s:
-            return out, None
-        ttls, tiers = dict(self.tenant_ttl_s), self.tiers
-        return out, tiers.submit_admin(lambda: {str(t): tiers.expire_owner(t, ttl) for t, ttl in ttls.items()})
+        return self.tenants.begin_sweep_expired()
 
     def device_usage(self, tenant: str | None) -> dict[str, int]:
-        n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)
-        return {"blocks": n, "bytes": n * self.runner.kv_bytes_per_block}
+        return self.tenants.device_usage(tenant)
 
     def tenant_usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
-        out = {"device": self.device_usage(tenant)}
-        if self.tiers is not None:
-            out.update(self.tiers.owner_usage(tenant))
-        return out
+        return self.tenants.usage(tenant)
 
     def reset_prefix_cache(self) -> int:
         n = self.kv.pool.evict_all()
@@ -637,13 +616,15 @@ class EngineCore:
             self._mask_pool.shutdown(wait=True)
 
     def _sample_rows(
-        self, out: SchedulerOutput, masks: dict[str, torch.Tensor] | None = None
-    ) -> tuple[list[SampleRow], dict[str, list[int]]]:
+        self, out: SchedulerOutput, masks: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> tuple[list[SampleRow], list[str], dict[str, list[int]]]:
         """One row per sampled sequence; a new n > 1 group gets n rows from its one logits row
-        (and, under a grammar, copies of the parent's grammar state before its first token)."""
+        (and, under a grammar, copies of the parent's grammar state before its first token).
+        Returns (rows, the key of each row: the req_id or, for a fork's extra rows,
+        "<req_id>#fork<i>", and per forking req_id the indices of its extra rows)."""
         masks = masks or {}
         rows: list[SampleRow] = []
-        self._row_keys: list[str] = []
+        row_keys: list[str] = []
         forks: dict[str, list[int]] = {}
         r = 0
         for seq in out.seqs:
@@ -663,7 +644,7 @@ class EngineCore:
                     bias,
                 )
             )
-            self._row_keys.append(req.req_id)
+            row_keys.append(req.req_id)
             group = self._seq_group[req.req_id]
             if group.params.n > 1 and req.sample_index == 0 and not req.output_token_ids and len(group.seqs) == 1:
                 forks[req.req_id] = []
@@ -677,15 +658,21 @@ class EngineCore:
                     )
                     forks[req.req_id].append(len(rows))
                     rows.append(SampleRow(r, sp, gen, req.prompt_token_ids, [], req.eos_token_ids, allowed, bias))
-                    self._row_keys.append(f"{req.req_id}#fork{i}")
+                    row_keys.append(f"{req.req_id}#fork{i}")
             r += 1
-        return rows, forks
+        return rows, row_keys, forks
 
     def _process(
-        self, out: SchedulerOutput, samples: list[Sample], forks: dict[str, list[int]], finished: list[Request]
+        self,
+        out: SchedulerOutput,
+        samples: list[Sample],
+        by_key: dict[str, Sample],
+        forks: dict[str, list[int]],
+        finished: list[Request],
     ) -> list[RequestOutput]:
+        """Record the step's samples (`by_key`: row key -> sample, see `_sample_rows`), start
+        fork children, note finished requests; the outputs of the groups that moved."""
         moved: dict[str, _Group] = {}
-        by_key = dict(zip(self._row_keys, samples))
         for req_id in out.preempted_req_ids:
             group = self._seq_group.get(req_id)
             if group is not None:
@@ -760,7 +747,9 @@ class EngineCore:
             # one token's worth of decoding per step (kvtier.engine.detokenizer), not the whole output
             detok.push(req.output_token_ids[len(detok.token_ids) :])
             text = detok.text
-            cut = _find_stop(text, sp.stop, tail=len(text) - len(group.texts[i]) + max(map(len, sp.stop)))
+            stops = sp.stop
+            assert isinstance(stops, list)  # SamplingParams.__post_init__ makes it a list
+            cut = _find_stop(text, stops, tail=len(text) - len(group.texts[i]) + max(map(len, stops)))
             group.texts[i] = text
             if cut is not None:
                 pos, stop = cut
@@ -783,7 +772,7 @@ class EngineCore:
                         group.finish[i] == "stop"
                         and not req.sampling.include_stop_str_in_output
                         and ids
-                        and (ids[-1] in req.eos_token_ids or ids[-1] in req.sampling.stop_token_ids)
+                        and (ids[-1] in req.eos_token_ids or ids[-1] in (req.sampling.stop_token_ids or ()))
                     ):
                         ids = ids[:-1]  # an EOS or stop token ended it: its text is not output
                     group.texts[i] = self.tokenizer.decode(ids, req.sampling.skip_special_tokens)

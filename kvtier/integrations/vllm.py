@@ -83,6 +83,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvtier.tiers.purge import PurgeRequests
+
 logger = logging.getLogger(__name__)
 
 TESTED_VLLM_VERSIONS = ("0.32",)
@@ -125,7 +127,7 @@ def _log_through_vllm() -> None:
 def check_vllm_version(version: str | None = None) -> str:
     """The installed vLLM version; raises RuntimeError on one this module was not tested with
     (set KVTIER_VLLM_ALLOW_UNTESTED=1 to try anyway)."""
-    version = version or getattr(vllm, "__version__", "unknown")
+    version = version or str(getattr(vllm, "__version__", "unknown"))
     major_minor = ".".join(version.split("+")[0].split(".")[:2])
     if major_minor not in TESTED_VLLM_VERSIONS and os.environ.get(_UNTESTED_ENV) != "1":
         raise RuntimeError(
@@ -366,8 +368,9 @@ class KVTierStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {name: 0 for name in _COUNTERS}
-        self.data["restore_s"] = []
+        data: dict[str, Any] = {name: 0 for name in _COUNTERS}
+        data["restore_s"] = []  # seconds per load
+        self.data = data
 
     def add(self, name: str, n: float = 1) -> None:
         self.data[name] = self.data.get(name, 0) + n
@@ -676,6 +679,7 @@ class _SchedulerSide:
         pending = self.remote_futures.get(req_id)
         if pending is None or pending[0] != len(keys):
             todo = keys[start:]
+            assert self._lookup_pool is not None  # there is one whenever there are remotes
             future = self._lookup_pool.submit(lambda: start + min(r.contains_prefix(todo) for r in self.remotes))
             pending = self.remote_futures[req_id] = (len(keys), future)
         try:
@@ -728,9 +732,10 @@ class _SchedulerSide:
         runs = self._runs(keys, device, 0)
         remote_prefix = 0
         if self.remotes and device + sum(r.num_blocks for r in runs) < usable:  # Redis may have more
-            remote_prefix = self._remote_prefix(request.request_id, keys, device)
-            if remote_prefix is None:
+            found = self._remote_prefix(request.request_id, keys, device)
+            if found is None:
                 return None, False  # Redis has not answered yet: vLLM asks again next step
+            remote_prefix = found
             runs = self._runs(keys, device, remote_prefix)
         self._update_queue_estimates()
         decision = self.cost.decide(device * bs, runs, num_tokens, restore_all=self.restore_all)
@@ -942,7 +947,7 @@ class _WorkerSide:
         self._owners: dict[str, str | None] = {}
         """Owner id -> tenant (cache_salt) of every block this worker stored or loaded."""
         self._purge_interval_s = options["purge_check_interval_s"]
-        self._purge_requests = None
+        self._purge_requests: PurgeRequests | None = None
         self._purge_stop = threading.Event()
         self._purge_thread: threading.Thread | None = None
         self.purges_done = 0

@@ -1,6 +1,6 @@
 """Paged KV bookkeeping: no tensors, no I/O (the simulator drives the same code)."""
 
-from kvtier.kvcache.block_pool import Block, BlockCopy, BlockPool, NoFreeBlocksError
+from kvtier.kvcache.block_pool import Block, BlockCopy, BlockLoad, BlockPool, BlockToStore, NoFreeBlocksError
 from kvtier.kvcache.keys import BlockKey, block_key, chain_keys, hash_id_key, root_key
 from kvtier.kvcache.manager import KVCacheManager, PrefixMatch
 from kvtier.kvcache.policy import LFUPolicy, LRUPolicy, make_policy
@@ -10,7 +10,9 @@ __all__ = [
     "Block",
     "BlockCopy",
     "BlockKey",
+    "BlockLoad",
     "BlockPool",
+    "BlockToStore",
     "CachedBlock",
     "KVCacheManager",
     "LFUPolicy",

@@ -15,7 +15,9 @@ cached prefix survives as long as empty blocks remain.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.kvcache.prefix_index import PrefixIndex
@@ -34,6 +36,20 @@ class Block:
 
 
 class BlockPool:
+    """Physical device blocks: which are free, referenced, cached or pinned (the module
+    docstring's four states) and how many references each has.
+
+    Owns the `Block` records and the free queue; the `PrefixIndex` it is given owns the cached
+    blocks' keys and picks eviction victims. Only the KVCacheManager (and the simulator and
+    tests, which drive it directly) calls it, on the one thread that owns the cache manager
+    (the engine thread); it is not thread-safe. Blocks are ids only: no tensors live here.
+
+    Invariants (`check_integrity`): every block is in exactly one state; a free block has no
+    reference and no key; a keyed block is the index node of that key and is evictable exactly
+    when it is unreferenced and not pinned; free + used == num_blocks. A block's reference
+    count equals the live references the manager records (block tables and locked copy
+    sources)."""
+
     def __init__(self, num_blocks: int, index: PrefixIndex | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
@@ -42,8 +58,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self.index = index
         self.num_evicted_blocks = 0
-        self.eviction_log: list[tuple[int, BlockKey, str | None]] | None = None
-        """When a list, every eviction appends (block_id, key, owner): write-back saves the KV first."""
+        self.eviction_log: list[BlockToStore] | None = None
+        """When a list, every eviction appends the evicted block: write-back saves its KV first."""
 
     # ------------------------------------------------------------------ counts
     @property
@@ -77,7 +93,7 @@ class BlockPool:
                     raise NoFreeBlocksError("no evictable leaf block")
                 block = self.blocks[node.block_id]
                 if self.eviction_log is not None:
-                    self.eviction_log.append((block.block_id, node.key, node.owner))
+                    self.eviction_log.append(BlockToStore(block.block_id, node.key, node.owner))
                 block.key = None
                 self.num_evicted_blocks += 1
             block.ref_cnt = 1
@@ -90,6 +106,7 @@ class BlockPool:
         if block.ref_cnt == 0:
             if block.key is None:
                 raise ValueError(f"block {block_id} is free; allocate it instead")
+            assert self.index is not None  # only the index sets a block's key
             self.index.set_in_use(block.key)
         block.ref_cnt += 1
 
@@ -101,6 +118,7 @@ class BlockPool:
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             if block.key is not None:
+                assert self.index is not None  # only the index sets a block's key
                 self.index.set_evictable(block.key)
             else:
                 self._free.append(block_id)
@@ -116,7 +134,7 @@ class BlockPool:
         block_id: int,
         key: BlockKey,
         parent: BlockKey,
-        tokens: list[int] | None,
+        tokens: Sequence[int] | None,
         is_first: bool,
         owner: str | None = None,
     ) -> bool:
@@ -148,7 +166,7 @@ class BlockPool:
                 break
             block = self.blocks[node.block_id]
             if self.eviction_log is not None:
-                self.eviction_log.append((block.block_id, node.key, node.owner))
+                self.eviction_log.append(BlockToStore(block.block_id, node.key, node.owner))
             block.key = None
             self._free.append(block.block_id)
             self.num_evicted_blocks += 1
@@ -160,13 +178,14 @@ class BlockPool:
         """Every block in exactly one state; counts add up; refs match `expected_refs`."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is twice in the free queue"
+        index = self.index
         num_cached_free = 0
         num_pinned = 0
         for block in self.blocks:
             in_free = block.block_id in free
             if block.ref_cnt < 0:
                 raise AssertionError(f"block {block.block_id} has ref_cnt {block.ref_cnt}")
-            node = self.index.get(block.key) if block.key is not None else None
+            node = index.get(block.key) if index is not None and block.key is not None else None
             if block.key is not None:
                 assert node is not None and node.block_id == block.block_id, (
                     f"block {block.block_id} and the index disagree"
@@ -175,22 +194,24 @@ class BlockPool:
             if in_free:
                 assert block.ref_cnt == 0 and block.key is None, f"free block {block.block_id} is in use or cached"
             elif block.ref_cnt == 0:
-                assert node is not None, f"block {block.block_id} is lost: unreferenced, uncached, not free"
-                if self.index.is_evictable(block.key):
+                assert index is not None and node is not None, (
+                    f"block {block.block_id} is lost: unreferenced, uncached, not free"
+                )
+                if index.is_evictable(node.key):
                     num_cached_free += 1
                 else:
                     assert node.num_held_children > 0, f"cached block {block.block_id} is not evictable"
                     num_pinned += 1
-            elif node is not None:
-                assert not self.index.is_evictable(block.key), f"in-use block {block.block_id} is evictable"
+            elif index is not None and node is not None:
+                assert not index.is_evictable(node.key), f"in-use block {block.block_id} is evictable"
             if expected_refs is not None:
                 want = expected_refs.get(block.block_id, 0)
                 assert block.ref_cnt == want, f"block {block.block_id}: ref_cnt {block.ref_cnt}, live references {want}"
-        if self.index is not None:
-            assert num_cached_free == self.index.num_evictable, "evictable count mismatch"
-            for node in self.index.nodes():
-                assert self.blocks[node.block_id].key == node.key, f"index names block {node.block_id} wrongly"
-            self.index.check_integrity()
+        if index is not None:
+            assert num_cached_free == index.num_evictable, "evictable count mismatch"
+            for cached in index.nodes():
+                assert self.blocks[cached.block_id].key == cached.key, f"index names block {cached.block_id} wrongly"
+            index.check_integrity()
         used = sum(1 for b in self.blocks if b.ref_cnt > 0) + num_pinned
         assert used == self.num_used_blocks, "used blocks miscounted"
         assert used + self.num_free_blocks == self.num_blocks, "free + used != total"
@@ -205,3 +226,27 @@ class BlockCopy:
     src_block: int
     dst_block: int
     num_tokens: int
+
+
+@dataclass(slots=True)
+class BlockToStore:
+    """A device block whose KV a tier below must store (KVCacheManager.take_blocks_to_store):
+    one just computed (write-through), one hit often enough (selective) or one the pool evicted
+    (write-back, `BlockPool.eviction_log`). The KV in `block_id` is intact until the next
+    forward pass, copy or load, which may reuse the block: read it before then."""
+
+    block_id: int
+    key: BlockKey
+    owner: str | None
+    """The tenant the block belongs to (tiers encrypt with its key)."""
+
+
+@dataclass(slots=True)
+class BlockLoad:
+    """KV restored from a tier below for one block of request `req_id`: the runner writes `kv`
+    into device block `block_id` before the step's forward pass (SchedulerOutput.block_loads)."""
+
+    req_id: str
+    block_id: int
+    kv: Any
+    """The block's KV as the tier returned it (the runner's block layout)."""

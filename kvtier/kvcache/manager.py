@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.kvcache.block_pool import BlockCopy, BlockPool
+from kvtier.kvcache.block_pool import BlockCopy, BlockLoad, BlockPool, BlockToStore
 from kvtier.kvcache.keys import BlockKey, block_key
 from kvtier.kvcache.prefix_index import PrefixIndex
 
@@ -64,6 +64,22 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """The scheduler's view of the device KV cache: per-request block tables over a `BlockPool`
+    and a `PrefixIndex`, which it owns.
+
+    Called by the Scheduler (and by the simulator and tests directly) on the one thread that
+    owns the engine; it is not thread-safe and holds no tensors. Protocol per step: `match`
+    then, right away, `allocate_new` (or `allocate_restore`) to admit; `allocate_more` to grow;
+    `take_copies` and `take_loads` for the runner before the forward pass and `end_step` after
+    it; `cache_blocks` once tokens are computed; `free` when a request ends or is preempted.
+    With tiers below, `take_blocks_to_store` must be drained before the next forward pass.
+    `allocate_new`, `allocate_more` and `fork` are all or nothing: False leaves no trace.
+
+    Invariants (`check_integrity`): every block's reference count equals its live references
+    (block tables plus locked copy sources); a request holds no block twice; each registered
+    block is cached under the request's own chained key (or, for a forked shared block, under
+    a key chained to the block before it); plus BlockPool's and PrefixIndex's invariants."""
+
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, eviction_policy: str = "lru"
     ) -> None:
@@ -81,9 +97,9 @@ class KVCacheManager:
         # Tiers below the device (see set_store_policy): blocks whose KV must be read out.
         self.store_policy: str | None = None
         self.selective_min_hits = 2
-        self._to_store: list[tuple[int, BlockKey, str | None]] = []
+        self._to_store: list[BlockToStore] = []
         self._restored_keys: set[BlockKey] = set()
-        self._loads: dict[str, list[tuple[int, object]]] = {}
+        self._loads: dict[str, list[BlockLoad]] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -132,11 +148,8 @@ class KVCacheManager:
         return m
 
     # ------------------------------------------------------------------ allocate
-    def can_admit(self, match: PrefixMatch, num_tokens: int) -> bool:
-        """Whether `allocate_new` would succeed for `num_tokens` total (cached + new) tokens."""
-        return self._admit_cost(match, num_tokens) <= self.pool.num_free_blocks
-
     def _admit_cost(self, match: PrefixMatch, num_tokens: int) -> int:
+        """Free blocks that admitting `num_tokens` total (cached + new) tokens would consume."""
         num_new = cdiv(num_tokens, self.block_size) - len(match.block_ids)
         # Matched blocks that are now evictable stop counting as free once referenced. (Pinned
         # ones never counted; the match is a chain from the root, so referencing it pins no
@@ -180,11 +193,12 @@ class KVCacheManager:
             return False
         for b in match.block_ids:
             self.pool.ref(b)
-        for b in match.block_ids:
-            node = self.index.get(self.pool.blocks[b].key)
+        for b, key in zip(match.block_ids, match.keys):
+            node = self.index.get(key)
+            assert node is not None and node.block_id == b  # _check_fresh: the match is current
             self.index.record_hit(node)
             if self.store_policy == "selective" and node.hits == self.selective_min_hits:
-                self._to_store.append((b, node.key, node.owner))
+                self._to_store.append(BlockToStore(b, node.key, node.owner))
         num_new = cdiv(num_cached + num_new_tokens, self.block_size) - len(match.block_ids)
         if match.partial_src is not None:
             self.pool.ref(match.partial_src)  # lock until the copy has run
@@ -253,7 +267,7 @@ class KVCacheManager:
                     if key in self._restored_keys:
                         self._restored_keys.discard(key)  # it came from a tier: already there
                     else:
-                        self._to_store.append((state.block_ids[i], key, state.owner))
+                        self._to_store.append(BlockToStore(state.block_ids[i], key, state.owner))
         state.num_registered = len(keys)
 
     def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> bool:
@@ -297,9 +311,9 @@ class KVCacheManager:
         self.selective_min_hits = selective_min_hits
         self.pool.eviction_log = [] if policy == "write_back" else None
 
-    def take_blocks_to_store(self) -> list[tuple[int, BlockKey, str | None]]:
-        """(block_id, key, owner) triples whose KV is intact now and must be read before the next
-        forward pass, copy or load (an evicted block may already belong to someone else)."""
+    def take_blocks_to_store(self) -> list[BlockToStore]:
+        """Blocks whose KV is intact now and must be read before the next forward pass, copy or
+        load (an evicted block may already belong to someone else)."""
         log = self.pool.eviction_log
         if log:
             self._to_store.extend(log)
@@ -326,17 +340,17 @@ class KVCacheManager:
         asked). Queues them for the runner (`take_loads`); returns how many blocks loaded."""
         state = self._reqs[req_id]
         first = len(state.keys)
-        loads = [(state.block_ids[first + i], kv) for i, kv in enumerate(tensors)]
+        loads = [BlockLoad(req_id, state.block_ids[first + i], kv) for i, kv in enumerate(tensors)]
         if loads:
             self._loads[req_id] = loads
             self._restored_keys.update(restore_keys[: len(tensors)])
         return len(loads)
 
-    def take_loads(self) -> list[tuple[str, int, object]]:
-        """(req_id, block_id, kv) to write into the pool before this step's forward pass."""
-        out: list[tuple[str, int, object]] = []
-        for req_id, loads in self._loads.items():
-            out.extend((req_id, b, kv) for b, kv in loads)
+    def take_loads(self) -> list[BlockLoad]:
+        """Restored KV to write into the pool before this step's forward pass."""
+        out: list[BlockLoad] = []
+        for loads in self._loads.values():
+            out.extend(loads)
         self._loads.clear()
         return out
 
@@ -382,6 +396,7 @@ class KVCacheManager:
                     assert state.keys[i] == key, f"{req_id}: block {b} is cached under a key that is not its own"
                 else:  # a block shared by fork may be registered by the sharer that got further
                     node = self.index.get(key)
+                    assert node is not None, f"{req_id}: block {b} has a key the index does not know"
                     prev = (
                         state.keys[i - 1]
                         if 0 < i <= len(state.keys)

@@ -66,6 +66,17 @@ class IndexStats:
 
 
 class PrefixIndex:
+    """The logical prefix cache: which block keys are cached, in which device block, under
+    which parent, and which unheld nodes the eviction policy may take (leaves first).
+
+    Owns the `CachedBlock` nodes and the eviction policy; holds no reference counts and no
+    tensors. Driven by its `BlockPool` (`set_in_use` / `set_evictable`, `evict_one`) and read by
+    the KVCacheManager (`get`, `best_partial`) on the engine thread; not thread-safe.
+
+    Invariants (`check_integrity`): every non-first node's parent is cached; child and held-child
+    counts match the nodes; a node is in the policy exactly when it is not held; the first-token
+    child map matches the nodes."""
+
     def __init__(self, policy: str | EvictionPolicy = "lru") -> None:
         self.policy: EvictionPolicy = make_policy(policy) if isinstance(policy, str) else policy
         self._nodes: dict[BlockKey, CachedBlock] = {}

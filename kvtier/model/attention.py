@@ -193,6 +193,8 @@ def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
             raise ValueError(f"{CHUNK_VARIANT_ENV}={given!r}: use dpbf16 or fma")
         return CHUNK_FMA if given == "fma" else CHUNK_DPBF16
     lib = native.chunk_attention_lib()
+    if lib is None:  # no kernel on this CPU: the variant does not matter
+        return CHUNK_DPBF16
     block_size, start, n = 16, 768, 256
     num_blocks = (start + n) // block_size
     g = torch.Generator().manual_seed(0)
@@ -235,6 +237,8 @@ def decode_rows_beat_chunk_kernel(
     head: few tasks for few rows), timed here once per process and head shape (least of `repeats`,
     interleaved); short chunks (up to NATIVE_CHUNK_MAX_TOKENS) then take the faster one."""
     lib = native.chunk_attention_lib()
+    if lib is None:
+        return False
     block_size, start, n = 16, 1024, 4
     num_blocks = (start + n) // block_size + 1
     g = torch.Generator().manual_seed(0)
@@ -459,6 +463,7 @@ class TorchPagedAttention(AttentionBackend):
         if meta.decode is None and len(meta.prefills) == 1:  # a lone prefill: no scatter
             return self._prefill(q, k, v, kv_cache, meta.prefills[0])
         if not meta.prefills:  # decodes only: rows are already in order
+            assert meta.decode is not None
             return self._decode(q, kv_cache, meta.decode, meta.block_size)
         out = q.new_empty(num_tokens, hidden)  # [T, Hq * D]
         for p in meta.prefills:
@@ -542,6 +547,7 @@ class TorchPagedAttention(AttentionBackend):
         kernel, which a mask over the whole context would slow down (see docs/benchmarks.md)."""
         n = q.shape[0]
         group = self.num_queries_per_kv
+        assert _FLASH_WITH_LSE is not None
         out_a, lse_a = _FLASH_WITH_LSE(
             self._fold(q)[None], kv[0, :, :start][None], kv[1, :, :start][None], 0.0, False
         )  # [1, Hkv, G * n, D], [1, Hkv, G * n]
@@ -651,7 +657,7 @@ def _extend_slots(slots: list[int], table: list[int], start: int, end: int, bloc
 
 
 def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """A 1-D int64 tensor from a list, 3-5x faster than torch.tensor(list) (hot path: per step)."""
+    """A 1-D int64 tensor from a list, faster than torch.tensor(list) (hot path: per step)."""
     if not values:
         return torch.empty(0, dtype=torch.long, device=device)
     cpu = torch.frombuffer(array.array("q", values), dtype=torch.long)  # keeps the array alive

@@ -209,7 +209,12 @@ class GGUFCheckpoint:
                 f"directory of this model instead, or pass token ids"
             )
         tokens = [str(t) for t in self._field_array("tokenizer.ggml.tokens")]
-        merges = [tuple(str(m).split(" ", 1)) for m in self._field_array("tokenizer.ggml.merges")]
+        merges: list[tuple[str, str]] = []
+        for m in self._field_array("tokenizer.ggml.merges"):
+            left, space, right = str(m).partition(" ")
+            if not space:
+                raise ModelLoadError(f"{str(self.path)!r}: GGUF merge {str(m)!r} is not 'LEFT RIGHT'")
+            merges.append((left, right))
         alphabet = set(pre_tokenizers.ByteLevel.alphabet())
         spelling = _bytes_to_unicode()
         vocab = {
@@ -226,7 +231,8 @@ class GGUFCheckpoint:
                 fuse_unk=False,
             )
         )
-        split = _PRE_TOKENIZER_SPLITS.get(self._meta.get("tokenizer.ggml.pre"))
+        pre = self._meta.get("tokenizer.ggml.pre")
+        split = _PRE_TOKENIZER_SPLITS.get(pre) if pre is not None else None
         if split is None:
             tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         else:
@@ -257,10 +263,10 @@ class GGUFCheckpoint:
             i = self._meta.get(f"tokenizer.ggml.{key}")
             return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
-        if self._meta.get("tokenizer.ggml.add_bos_token") and token("bos_token_id") is not None:
+        bos = token("bos_token_id")
+        if self._meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
             from tokenizers import processors
 
-            bos = token("bos_token_id")
             tok.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
             )

@@ -147,7 +147,9 @@ def hadamard(dim: int) -> torch.Tensor:
 def quantize(x: torch.Tensor, scale: torch.Tensor, kv_dtype: KVDtype) -> torch.Tensor:
     """x / scale, saturated to +-qmax, in the storage dtype (int8: rounded to nearest).
     `scale` broadcasts against x (float32)."""
-    q = (x.float() / scale).clamp_(-kv_dtype.qmax, kv_dtype.qmax)
+    qmax = kv_dtype.qmax
+    assert qmax is not None, f"{kv_dtype.name} is not quantized"
+    q = (x.float() / scale).clamp_(-qmax, qmax)
     if kv_dtype.storage == torch.int8:
         q = q.round_()
     return q.to(kv_dtype.storage)
@@ -307,14 +309,17 @@ class QuantizedKVCache:
         _two, num_kv_heads, num_blocks, block_size, head_dim = self.data.shape
         flat = _raw(self.data).view(2, num_kv_heads, num_blocks * block_size, head_dim)
         kv = torch.stack((k, v)).transpose(1, 2)  # [2, Hkv, T, D]
+        qmax = self.kv_dtype.qmax
         if self.kv_dtype.per_token:  # each token its own scale: quantized once, never rewritten
-            scale = token_scales(kv, self.kv_dtype.qmax)  # [2, Hkv, T] float16
+            assert self.scales is not None and qmax is not None  # per-token dtypes are quantized
+            scale = token_scales(kv, qmax)  # [2, Hkv, T] float16
             flat.index_copy_(2, slot_mapping, quantize(kv, scale.float()[..., None], self.kv_dtype))
             self.scales.view(2, num_kv_heads, num_blocks * block_size).index_copy_(2, slot_mapping, scale)
             return
         if self.scales is None:
             flat.index_copy_(2, slot_mapping, kv.to(self.data.dtype))
             return
+        assert qmax is not None  # only a quantized dtype has scales
         if self.static_scales is not None:
             scale = self.scales[:, :, :1, None]  # constant over blocks: [2, Hkv, 1, 1]
             flat.index_copy_(2, slot_mapping, _raw(quantize(kv, scale, self.kv_dtype)))
@@ -327,7 +332,7 @@ class QuantizedKVCache:
         # or whose scale must grow are rewritten whole. Per block, the choice depends only on that
         # block's tokens, never on the rest of the batch.
         block_scale = self.scales.index_select(2, plan.token_block_ids)  # [2, Hkv, T]
-        fits = kv.abs().amax(-1).float().le(block_scale * self.kv_dtype.qmax).all(0).all(0)  # [T]
+        fits = kv.abs().amax(-1).float().le(block_scale * qmax).all(0).all(0)  # [T]
         fits &= plan.token_keep
         if bool(fits.all()):
             flat.index_copy_(2, slot_mapping, _raw(quantize(kv, block_scale[..., None], self.kv_dtype)))
@@ -350,7 +355,7 @@ class QuantizedKVCache:
             plan.keep.index_select(0, sub),
             sub_index[plan.token_block[in_rewrite]],
             plan.token_offset[in_rewrite],
-            self.kv_dtype.qmax,
+            qmax,
             self.kv_dtype.storage == torch.int8,
         )
         _raw(self.data).index_copy_(2, blocks, _raw(data))
@@ -369,6 +374,7 @@ class QuantizedKVCache:
             out = self._gather_native(block_ids, out_dtype)
             if out is not None:
                 return out
+        assert self.scales is not None  # gather() reads an unscaled cache itself
         scale = self.scales.index_select(2, block_ids)
         scale = scale.float()[..., None] if self.kv_dtype.per_token else scale[..., None, None]
         return dequantize(self.data.index_select(2, block_ids), scale, out_dtype)
@@ -379,6 +385,7 @@ class QuantizedKVCache:
         lib = native.kv_quant_lib()
         if lib is None or block_ids.dtype != torch.long or block_ids.device.type != "cpu":
             return None
+        assert self.scales is not None  # _native_storage is set only with scales
         block_ids = block_ids.contiguous()
         _two, heads, num_blocks, block_size, dim = self.data.shape
         out = torch.empty((2, heads, block_ids.numel(), block_size, dim), dtype=out_dtype)
@@ -410,6 +417,7 @@ class QuantizedKVCache:
             or v.device.type != "cpu"
         ):
             return False
+        assert self.scales is not None  # _native_storage is set only with scales
         _two, heads, num_blocks, block_size, dim = self.data.shape
         k, v = _rows_contiguous(k), _rows_contiguous(v)
         slot_mapping = slot_mapping.contiguous()

@@ -12,7 +12,7 @@ depends on the CPU and on the number of rows of x:
   FMAs (for CPUs whose FMA units outrun their bf16 dot products: Intel without AMX).
 * `fp32`: the weight and x widened to float32 per call, MKL's sgemm, the output rounded to
   bfloat16: for large batches (prefill chunks) on CPUs whose float32 GEMM is faster than their
-  bf16 GEMM; the widening (about a millisecond per weight) is small beside the GEMM there.
+  bf16 GEMM; the widening is small beside the GEMM there.
 
 All of them multiply exact bf16 products and accumulate in float32, then round once, so they
 agree to the rounding of the sums' order (tests/model/test_linear_paths.py).
@@ -34,7 +34,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ CALIBRATION_WEIGHT_ELEMENTS = 1 << 21
 CALIBRATION_MIN_COLUMNS = 1024
 """Most FLOPs one timed GEMM may cost, and most weight elements it may read: a large projection
 is cut to fewer output rows (the speed per FLOP and per weight byte does not depend on N at
-these sizes), so the measurement takes about a second however large the model. Never below
+these sizes), so the measurement stays short however large the model. Never below
 CALIBRATION_MIN_COLUMNS rows (or the projection's own), where the per-call widening of x would
 weigh more in the float32 path than in any real projection."""
 
@@ -78,6 +78,8 @@ class GemmPlan:
     ascending, the first from 1 row."""
 
     steps: tuple[tuple[int, str], ...]
+    _starts: list[int] = field(init=False, repr=False, compare=False)
+    """The steps' first rows, for bisect (set by __post_init__)."""
 
     def __post_init__(self) -> None:
         rows = [r for r, _ in self.steps]
@@ -144,7 +146,7 @@ class Linear(nn.Linear):
         one another method of the plan reads)."""
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_BATCH_HINT)
         if not keep_weight:
-            self.weight = None
+            self.register_parameter("weight", None)  # what `self.weight = None` does
 
 
 def linear_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -276,7 +278,7 @@ def choose_plan(timings: dict[int, dict[str, float]], baseline: str, margin: flo
     current = baseline
     for i, rows in enumerate(sorted(timings)):
         t = timings[rows]
-        best = min(t, key=t.get)
+        best = min(t, key=t.__getitem__)
         if t[best] * margin <= t[current]:
             current = best
         if not steps or steps[-1][1] != current:

@@ -61,6 +61,9 @@ class RotaryEmbedding:
         if scaling is not None and scaling.rope_type == "linear":
             inv_freq = inv_freq / scaling.factor
         elif scaling is not None and scaling.rope_type == "llama3":
+            # hf_config sets all three for llama3
+            assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+            assert scaling.original_max_position_embeddings is not None
             inv_freq = _llama3_inv_freq(
                 inv_freq,
                 scaling.factor,

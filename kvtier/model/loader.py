@@ -26,7 +26,7 @@ from safetensors import safe_open
 from kvtier.model import gguf
 from kvtier.model.attention import AttentionBackend
 from kvtier.model.hf_config import ArchConfig, ModelFilesNotFoundError, ModelLoadError
-from kvtier.model.llama import DecoderLM
+from kvtier.model.llama import DecoderLayer, DecoderLM
 
 LAYOUT_VERSION = 1
 """Bump when the KV layout or numerics change so that stored KV of older versions stops matching."""
@@ -120,7 +120,7 @@ def _checkpoint_tensors(
         ckpt = gguf.open_checkpoint(str(model_dir))
         return set(ckpt.tensor_names()), ckpt.tensors(dtype)
     files = safetensors_files(model_dir)
-    names = set()
+    names: set[str] = set()
     for f in files:
         names.update(n for n in _read_header(f)[1] if n != "__metadata__")
 
@@ -186,6 +186,7 @@ def _routes(model: DecoderLM, arch: ArchConfig) -> Iterator[tuple[str, torch.Ten
     if not model.tie_word_embeddings:
         yield "lm_head.weight", model.lm_head.weight.data
     for i, layer in enumerate(model.layers):
+        assert isinstance(layer, DecoderLayer)  # nn.ModuleList yields plain Modules to the checker
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         qkv_params = [("weight", attn.qkv_proj.weight.data)]
@@ -234,7 +235,7 @@ def model_fingerprint(
     """16-byte blake2b identity of (weights, config, dtypes, block size, KV layout version).
 
     Reads config.json, and for each weight file its size, JSON header and at most the first and
-    last MiB of tensor data: milliseconds on a multi-GB checkpoint, while any re-export, re-quantisation
+    last MiB of tensor data: cheap on a multi-GB checkpoint, while any re-export, re-quantisation
     or shape change alters the header or the edges of the data.
     """
     model_dir = Path(model_dir)

@@ -290,6 +290,7 @@ class ModelRunner:
     def _fill_static_scales(self, static: list[tuple[float, float]]) -> None:
         """Checkpoint scales follow the fp8_e4m3 convention (x ~= fp8 * scale, i.e. calibrated
         amax / 448); other quantized dtypes keep that amax: scale * 448 / qmax."""
+        assert self.kv_spec.qmax is not None and self.kv_scales is not None, "static scales need a quantized KV dtype"
         factor = 448.0 / self.kv_spec.qmax
         converted = [(k * factor, v * factor) for k, v in static]
         self.static_kv_scales = converted

@@ -14,7 +14,11 @@ import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jinja2 import Template
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class TokenizerError(ValueError):
@@ -64,7 +68,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         self.chat_template: str | None = template
-        self._compiled = None
+        self._compiled: Template | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         eos_id = self.token_to_id(self.eos_token) if self.eos_token else None
         if eos_id is not None:
@@ -164,7 +168,7 @@ class Tokenizer:
         validate_messages(messages)
         if chat_template is None:
             if self._compiled is None:
-                self._compiled = _jinja_env().from_string(self.chat_template)
+                self._compiled = _jinja_env().from_string(template)  # template is self.chat_template
             compiled = self._compiled
         else:
             compiled = _jinja_env().from_string(chat_template)
@@ -255,7 +259,7 @@ def validate_messages(messages: Any) -> None:
             raise TokenizerError(f"message {i}: role must be a string")
 
 
-def _jinja_env():
+def _jinja_env() -> ImmutableSandboxedEnvironment:
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment

@@ -8,15 +8,17 @@ scheduled sequence, the tokens to compute this step and where their KV goes::
     block_ids:       [ b0 ][ b1 ][ b2 ] ...  covers start_pos + len(token_ids) tokens
 
 `block_copies` are token-granular prefix reuse: copy the first `num_tokens` slots of `src` into
-`dst` (every layer, K and V) before the forward pass.
+`dst` (every layer, K and V) before the forward pass. `block_loads` are blocks restored from a
+tier below, written into the pool before the forward pass too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from kvtier.kvcache.block_pool import BlockCopy
+from kvtier.kvcache.block_pool import BlockCopy, BlockLoad
+
+__all__ = ["BlockCopy", "BlockLoad", "ScheduledSeq", "SchedulerOutput"]
 
 
 @dataclass(slots=True)
@@ -45,12 +47,20 @@ class ScheduledSeq:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """What one engine step computes: made by `Scheduler.schedule()` on the engine thread and
+    read, on the same thread, by the model runner (copies, loads, one forward pass over `seqs`)
+    and by `Scheduler.update_from_output`. Read-only once built.
+
+    Invariants: each request appears at most once in `seqs`; every block a copy, a load or a
+    sequence names is held by a live request (or locked as a copy source) until
+    `KVCacheManager.end_step`; a request in `preempted_req_ids` is not in `seqs`. Empty
+    (`is_empty`) when there is nothing to compute, copy or load."""
+
     seqs: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[BlockCopy] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
-    block_loads: list[tuple[str, int, Any]] = field(default_factory=list)
-    """(req_id, block_id, kv) restored from a tier below: written into the pool before the
-    forward pass."""
+    block_loads: list[BlockLoad] = field(default_factory=list)
+    """KV restored from a tier below: written into the pool before the forward pass."""
 
     @property
     def num_batched_tokens(self) -> int:

@@ -112,7 +112,7 @@ class Request:
             if not sp.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if last in sp.stop_token_ids:
+            if sp.stop_token_ids and last in sp.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         if sp.max_tokens is not None and n_out >= sp.max_tokens:

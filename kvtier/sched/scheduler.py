@@ -19,9 +19,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.cost.model import take_runs
 from kvtier.kvcache.keys import chain_keys
 from kvtier.kvcache.manager import KVCacheManager, cdiv
+from kvtier.sched.admission import plan_restore
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 from kvtier.sched.queues import make_queue
 from kvtier.sched.request import Request, RequestStatus
@@ -60,6 +60,18 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """Decides each step's work (`schedule`) and applies its result (`update_from_output`).
+
+    Owns the live `Request`s and their queues (waiting, running, loading); the KVCacheManager
+    it is given holds their blocks, and the tiers (if any) restore stored prefixes. Called by
+    EngineCore on the engine thread only (the simulator and tests drive it directly); it is not
+    thread-safe. The tiers' futures (loads, remote lookups) complete on other threads and are
+    only polled here.
+
+    Invariants (`check_integrity`): every live request is in exactly one queue; running and
+    loading requests hold blocks and waiting ones hold none; a running request has computed
+    no more tokens than it has; plus KVCacheManager's invariants."""
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiers: Any = None) -> None:
         self.config = config
         self.kv = kv
@@ -266,17 +278,13 @@ class Scheduler:
         num_full = (len(tokens) - 1) // bs
         keys = self._prompt_keys(req)
         d = len(match.block_ids)
-        if d:
-            self.tiers.touch(keys[:d])
         remote = req.remote_lookup.result() if req.remote_lookup is not None else 0
         # one counted query per admission, as the device's: a request that waits for space
         # and tries again is not a new query (nor a new decision)
         first = not req.tier_queried
         req.tier_queried = True
-        runs = self.tiers.runs(keys[:num_full], d, remote, count=first)
-        decision = self.tiers.cost.decide(
-            d * bs, runs, len(tokens), restore_all=self.tiers.config.restore_policy == "always"
-        )
+        plan = plan_restore(self.tiers, keys[:num_full], d, d * bs, len(tokens), remote_prefix=remote, count=first)
+        decision = plan.decision
         if first:
             self.restore_decisions[decision.kind] += 1
         if req.restore_decision is None:
@@ -287,7 +295,7 @@ class Scheduler:
         restore_keys = keys[d : d + k]
         if not self.kv.allocate_restore(req.req_id, tokens, req.root_key, match, restore_keys, req.tenant):
             return False
-        req.load_future = self.tiers.submit_load(restore_keys, take_runs(runs, k), owner=req.tenant)
+        req.load_future = self.tiers.submit_load(restore_keys, plan.load_runs(), owner=req.tenant)
         req.restore_keys = restore_keys
         self.waiting.remove(req)
         self.loading.append(req)
@@ -317,6 +325,7 @@ class Scheduler:
                     exc_info=True,
                 )
                 tensors, per_tier = [], {}
+            assert req.restore_keys is not None and req.num_cached_tokens is not None  # set by _try_restore
             n = self.kv.finish_restore(req.req_id, req.restore_keys, tensors)
             req.num_computed_tokens += n * bs
             if req.num_preemptions == 0:  # the first admission is what the request reports

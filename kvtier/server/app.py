@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -41,6 +41,9 @@ from kvtier.server.protocol import (
 )
 from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits, valid_request_id
 from kvtier.server.tenancy import AdminAuth, SingleTenantResolver, Tenant, TenantResolver, api_key_from_header
+
+if TYPE_CHECKING:
+    from kvtier.server.engine_proc import EngineClient
 
 logger = logging.getLogger("kvtier.server")
 
@@ -86,7 +89,7 @@ class ServerConfig:
 
 def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], list[tuple[str, Any, Any]]]:
     """The TTLs and host/disk quotas the tenants file sets: ([(tenant, ttl_s)], [(tenant, host, disk)])."""
-    tenants = getattr(resolver, "tenants", list)()
+    tenants: list[Tenant] = getattr(resolver, "tenants", list)()
     ttls = [(t.name, t.ttl_s) for t in tenants if t.ttl_s is not None]
     quotas = [
         (t.name, t.host_bytes, t.disk_bytes) for t in tenants if t.host_bytes is not None or t.disk_bytes is not None
@@ -109,6 +112,7 @@ def build_app(
         if request_log is not None:
             request_log.write(out, itl_s)
 
+    async_engine: AsyncEngine | EngineClient
     if in_process:
         async_engine = AsyncEngine(engine, on_finished=on_finished)
     else:

@@ -312,6 +312,9 @@ class AsyncEngine:
             logger.exception("the engine thread died")
             self.error = e
             self._fail_all(EngineDeadError(f"the engine thread died: {e!r}"))
+            calls, self._idle = self._idle, []  # run_when_idle calls that were waiting for idle
+            for call in calls:
+                self._call(_set_exception, call.done, EngineDeadError("the engine thread died"))
             while True:  # answer whatever arrived meanwhile
                 try:
                     cmd = self._inbox.get_nowait()
@@ -437,6 +440,7 @@ class AsyncEngine:
             self._call(_deliver, batch)
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None, "start() sets the loop before the engine thread runs"
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop is closed: nobody is waiting any more

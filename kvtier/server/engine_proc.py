@@ -42,11 +42,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvtier.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.async_engine import (
     EngineDeadError,
@@ -103,15 +103,20 @@ def _encode_output(out: RequestOutput, sent: list[int]) -> list[Any]:
     ]
 
 
-def _plain(entries: list[dict[int, float] | None]) -> list[dict[int, float] | None]:
-    """Logprob entries with plain floats (the wire has no Logprob type; the server needs none)."""
-    return [None if d is None else {k: float(v) for k, v in d.items()} for d in entries]
+def _plain(entries: Sequence[Mapping[int, float] | None]) -> list[dict[int, tuple[float, int | None]] | None]:
+    """Logprob entries for the wire (which has no Logprob type): token id -> (logprob, rank)."""
+    return [None if d is None else {k: (float(v), getattr(v, "rank", None)) for k, v in d.items()} for d in entries]
+
+
+def _logprobs(entry: Mapping[Any, Any]) -> dict[int, Logprob]:
+    """One wire entry of `_plain` back as Logprobs (the rank kept, as the in-process engine gives it)."""
+    return {int(k): Logprob(lp, rank) for k, (lp, rank) in entry.items()}
 
 
 @dataclasses.dataclass(slots=True)
 class _Seq:
     token_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
@@ -139,7 +144,7 @@ class _ClientLive:
             if new_lp is not None:
                 if s.logprobs is None:
                     s.logprobs = []
-                s.logprobs.extend({int(k): v for k, v in d.items()} for d in new_lp)
+                s.logprobs.extend(_logprobs(d) for d in new_lp)
             s.finish_reason, s.stop_reason, s.cumulative_logprob = finish, stop_reason, cum
             if text is not None:
                 s.text = text
@@ -168,9 +173,7 @@ class _ClientLive:
             num_preemptions=preempt,
             restore_decision=decision,
             restore_s=restore_s,
-            prompt_logprobs=None
-            if prompt_lp is None
-            else [None if d is None else {int(k): v for k, v in d.items()} for d in prompt_lp],
+            prompt_logprobs=None if prompt_lp is None else [None if d is None else _logprobs(d) for d in prompt_lp],
         )
 
 
@@ -230,7 +233,7 @@ class _EngineLoop:
                 for call_id, op in calls:
                     self._call(call_id, op, None)
 
-    def _dispatch(self, outputs: list[RequestOutput | None]) -> None:
+    def _dispatch(self, outputs: Sequence[RequestOutput | None]) -> None:
         batch = []
         for out in outputs:
             if out is None or out.request_id not in self._sent:
@@ -463,7 +466,7 @@ class EngineClient:
         import zmq
 
         self._dir = tempfile.mkdtemp(prefix="kvtier-engine-")  # 0700
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._push = ctx.socket(zmq.PUSH)
         self._push.bind(f"ipc://{self._dir}/to-engine")
         self._pull = ctx.socket(zmq.PULL)
@@ -480,8 +483,10 @@ class EngineClient:
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvtier.server.engine_proc"], stdin=subprocess.PIPE, close_fds=True
         )
-        self._proc.stdin.write((json.dumps(settings) + "\n").encode())
-        self._proc.stdin.flush()
+        stdin = self._proc.stdin
+        assert stdin is not None  # stdin=PIPE
+        stdin.write((json.dumps(settings) + "\n").encode())
+        stdin.flush()
         deadline = time.monotonic() + timeout_s
         while True:
             if self._pull.poll(200):
@@ -523,6 +528,7 @@ class EngineClient:
 
     def _watch(self) -> None:
         proc = self._proc
+        assert proc is not None  # start() follows start_process()
         status = proc.wait()
         if self._loop is not None and not self._loop.is_closed():
             try:

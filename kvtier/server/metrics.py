@@ -393,7 +393,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         self.snapshot = SnapshotCollector() if engine is None else None
-        inner = EngineCollector(engine) if engine is not None else self.snapshot
+        inner: Collector = EngineCollector(engine) if self.snapshot is None else self.snapshot
         self.registry.register(LabelledCollector(inner, {"model_name": model_name}))
         r = self.registry
         m = ["model_name"]

@@ -215,7 +215,7 @@ def chat_body(
     token_text: TokenText,
     return_token_ids: bool = False,
 ) -> dict[str, Any]:
-    choices = [
+    choices: list[dict[str, Any]] = [
         {
             "index": c.index,
             "message": {"role": "assistant", "content": c.text},

@@ -17,7 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -30,6 +30,9 @@ from kvtier.server import responses as R
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestSpec, RequestStream
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from kvtier.server.tenancy import Tenant, tenant_hash
+
+if TYPE_CHECKING:
+    from kvtier.server.engine_proc import EngineClient
 
 logger = logging.getLogger("kvtier.server")
 
@@ -52,7 +55,7 @@ class RequestLimits:
 class OpenAIServing:
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: AsyncEngine | EngineClient,
         tokenizer: Any,
         model_name: str,
         max_model_len: int,
@@ -153,7 +156,7 @@ class OpenAIServing:
             items = list(prompt)
         if not items:
             raise APIError("prompt is empty; give a string, a list of token ids, or a list of those", param="prompt")
-        out = []
+        out: list[Prompt] = []
         for p in items:
             if isinstance(p, str):
                 out.append((p, self._encode(p)))
@@ -193,6 +196,7 @@ class OpenAIServing:
                     continue
                 st = texts.get(idx)
                 if st is None:
+                    assert isinstance(sp.stop, list)  # SamplingParams.__post_init__ made it one
                     st = texts[idx] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
                 delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
                 start = sent_tokens.get(idx, 0)
@@ -345,6 +349,7 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         final: RequestOutput | None = None
+        assert isinstance(sp.stop, list)  # SamplingParams.__post_init__ made it one
         for i in range(sp.n):  # the role first, as OpenAI does
             texts[i] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
             chunk = R.chat_chunk(request_id, self.model_name, created, i, {"role": "assistant", "content": ""}, None)
@@ -773,13 +778,13 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
-def _abort_unfinished(engine: AsyncEngine, streams: list[RequestStream]) -> None:
+def _abort_unfinished(engine: AsyncEngine | EngineClient, streams: list[RequestStream]) -> None:
     for s in streams:
         if not s.finished:
             engine.abort(s.request_id)
 
 
-def _streaming(gen: AsyncIterator[str], engine: AsyncEngine, streams: list[RequestStream]) -> Response:
+def _streaming(gen: AsyncIterator[str], engine: AsyncEngine | EngineClient, streams: list[RequestStream]) -> Response:
     return _CleanupStreamingResponse(
         gen,
         cleanup=lambda: _abort_unfinished(engine, streams),

@@ -178,7 +178,7 @@ class AdminAuth:
         self.resolver = resolver
         self.admin_key = admin_key
         self.multi_tenant = not isinstance(resolver, SingleTenantResolver)
-        tenants = getattr(resolver, "tenants", list)()
+        tenants: list[Tenant] = getattr(resolver, "tenants", list)()
         self.configured = admin_key is not None or any(t.admin for t in tenants)
         self.open_reads = admin_key is None and not self.multi_tenant
 

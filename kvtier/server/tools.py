@@ -264,6 +264,7 @@ class ToolStream:
         return out
 
     def _hold_from(self) -> int:
+        assert self.parser is not None  # feed() under 'auto' (an active stream has a parser)
         text, start = self.text, self.parser.start
         if isinstance(self.parser, Llama3JsonParser):
             lead = text.lstrip()
@@ -283,6 +284,7 @@ class ToolStream:
         if self.mode in ("named", "required"):
             calls = read_constrained(self.text, self.mode, self.name)
             return ("" if calls else self.text), calls
+        assert self.parser is not None  # called on active streams: 'auto' with a parser
         content, calls = self.parser.parse(self.text)
         if not calls:
             return self.text[self.sent :], []

@@ -1,9 +1,9 @@
 """What one simulated machine looks like: block size, tier capacities, policies and speeds.
 
-Default speeds are the figures measured on the project's benchmark machine (docs/benchmarks.md,
-"TTFT by where the KV comes from", reference model, 2,048-token prefix): a restore from host
-memory ran at 7.2 GB/s and from local disk at 1.85 GB/s, read plus copy into the pool, and a
-recompute took 1,583 ms for 2,052 tokens (0.78 ms a token).
+Default speeds are the ones measured on the project's benchmark machine (docs/benchmarks.md,
+"TTFT by where the KV comes from", reference model, 2,048-token prefix; the figures live there):
+restore throughput from host memory and from local disk, read plus copy into the pool, and
+recompute time per prefill token.
 """
 
 from __future__ import annotations

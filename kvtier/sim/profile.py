@@ -13,13 +13,13 @@ had. Shared segments that do not sit at the start are found by hashing token win
 
 from __future__ import annotations
 
-import json
 import statistics
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.kvcache.keys import block_key, hash_id_key, root_key
+from kvtier.trace import json_lines, parse_record
 
 ROOT = root_key(b"kvtier-analyze")
 WINDOW = 32  # tokens per window for shared-segment detection
@@ -60,14 +60,8 @@ class Profile:
 
 
 def parse_records(lines: Iterable[str], tokenizer: Any = None) -> Iterator[Record]:
-    for n, line in enumerate(lines, 1):
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"line {n} is not JSON: {e.msg}") from None
+    """One Record per non-blank line; ValueError "line N ..." for a line it cannot read."""
+    for n, obj in json_lines(lines):
         yield _record(obj, n, tokenizer)
 
 
@@ -78,9 +72,8 @@ def _record(obj: Any, n: int, tokenizer: Any) -> Record:
         raise ValueError(f"line {n}: expected an object or a list of token ids")
     t = obj.get("arrival_time", obj.get("timestamp"))
     if "hash_ids" in obj:  # Mooncake: timestamp in milliseconds
-        return Record(
-            None, _ints(obj["hash_ids"], n), int(obj.get("input_length", 0)), None if t is None else float(t) / 1000.0
-        )
+        r = parse_record(obj, f"line {n}")
+        return Record(None, r.hash_ids, r.input_length or 0, None if t is None else float(t) / 1000.0)
     t = None if t is None else float(t)
     if "prompt_token_ids" in obj:
         toks = _ints(obj["prompt_token_ids"], n)
@@ -182,7 +175,7 @@ def _longest_shared_segment(tokens: list[int], windows: dict[int, int], idx: int
     return best
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: Sequence[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))] if xs else 0.0
 

@@ -1,28 +1,35 @@
 """Replay a Mooncake-format request trace through kvtier's own cache code, with no model.
 
-Trace format (one JSON object per line): ``timestamp`` (ms), ``input_length``, ``output_length``,
-``hash_ids`` (one opaque id per ``block_tokens``-token block of the input, chained: equal ids at
-the same position mean an equal prefix).
+Trace format (kvtier/trace.py reads it; one JSON object per line): ``timestamp`` (ms),
+``input_length``, ``output_length``, ``hash_ids`` (one opaque id per ``block_tokens``-token block
+of the input, chained: equal ids at the same position mean an equal prefix).
 
-What runs is the engine's code: the device pool is ``BlockPool`` + ``PrefixIndex`` (LRU/LFU,
-leaves first), the tiers below are the engine's ``TierHierarchy`` with its ``HostTier``
-(sim/tiers.py: payload-free entries, a file-less disk index, loads and stores run in order
-in this thread), and each restore is decided by ``CostModel.decide`` with fixed speeds. Per
-request, in timestamp order (stable for equal timestamps), the steps the engine takes for one
-request that arrives alone (kvtier/sched/scheduler.py ``_admit``/``_try_restore``,
+What runs is the engine's code: the device pool is a ``KVCacheManager`` (``BlockPool`` +
+``PrefixIndex``, LRU/LFU, leaves first, and its store policy), the tiers below are the engine's
+``TierHierarchy`` with its ``HostTier`` (sim/tiers.py: payload-free entries, a file-less disk
+index, loads and stores run in order in this thread), and each restore is decided by the
+scheduler's ``plan_restore`` (kvtier/sched/admission.py) over a ``CostModel`` with fixed speeds.
+Per request, in timestamp order (stable for equal timestamps), the steps the engine takes for
+one request that arrives alone (kvtier/sched/scheduler.py ``_admit``/``_try_restore``,
 kvtier/engine/core.py ``step``)::
 
     keys      key_0 = hash_id_key(root_key(b"sim"), id_0), key_i = hash_id_key(key_{i-1}, id_i)
-    match     d = device prefix (PrefixIndex.match_keys); TierHierarchy.touch refreshes their
-              host entries
-    runs      TierHierarchy.runs(keys, d): the stored blocks after it, fastest tier first
-    decide    CostModel.decide(...) -> restore k of them ('always': all of them)
-    admit     reference the d hits; take k blocks; load them (promotes disk hits into host);
-              take the other n - d - k blocks (device evictions go to the write-back log)
-    store     write_back: evicted blocks -> host (host evictions demote to disk);
-              selective: blocks on their Nth hit
+    match     d = device prefix (PrefixIndex.match_keys)
+    decide    plan_restore: TierHierarchy.touch refreshes the hits' host entries;
+              TierHierarchy.runs(keys, d) finds the stored blocks after them, fastest tier
+              first; CostModel.decide -> restore k of them ('always': all of them)
+    admit     KVCacheManager.allocate_restore: reference the d hits, take k blocks; load them
+              (promotes disk hits into host); allocate_more: the other n - d - k blocks
+              (without a restore: allocate_new takes the n - d); device evictions go to the
+              write-back log
+    store     take_blocks_to_store -> TierHierarchy.store: write_back: evicted blocks -> host
+              (host evictions demote to disk); selective: blocks on their Nth hit
     compute   register the n - d blocks; free all (last first): cached and evictable
     store     write_through: the blocks just computed (not those restored) -> every tier
+
+The blocks are registered with ``BlockPool.cache_block`` under the trace's keys (the manager's
+``cache_blocks`` derives keys from token ids, which a trace does not have), so the simulator
+applies write_through's rule itself: what was computed, not what was restored.
 
 A request with more blocks than the device pool cannot be held at once: it counts as all-miss
 and touches nothing. The trace's last block is usually partial; the simulator caches it like a
@@ -38,22 +45,25 @@ chooses to recompute is not a hit. Prefill saved = sum over requests of prefill(
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from kvtier.cost.model import CostModel, TierRun, take_runs
-from kvtier.kvcache.block_pool import BlockPool
+from kvtier.cost.model import CostModel, TierRun
+from kvtier.kvcache.block_pool import BlockToStore
 from kvtier.kvcache.keys import BlockKey, hash_id_key, root_key
-from kvtier.kvcache.prefix_index import CachedBlock, PrefixIndex
+from kvtier.kvcache.manager import KVCacheManager, PrefixMatch
+from kvtier.sched.admission import plan_restore
 from kvtier.sim.config import DEFAULT_PREFILL_S_PER_TOKEN, SimConfig
 from kvtier.sim.tiers import PAYLOAD, MemoryTier, SerialExecutor, SimHierarchy
 from kvtier.tiers.hierarchy import TierConfig
+from kvtier.trace import TraceRecord, as_records, by_time, read_trace
 
 SIM_ROOT = root_key(b"sim")
+_REQ = "sim"
+"""The request id the simulator admits each request under (one at a time)."""
 
 
 @dataclass(slots=True)
@@ -66,32 +76,22 @@ class SimRequest:
 
 
 def load_trace(
-    path: str | Path | Iterable[dict], block_tokens: int = 512, limit: int | None = None
+    path: str | Path | Iterable[dict | TraceRecord], block_tokens: int = 512, limit: int | None = None
 ) -> list[SimRequest]:
-    """Parse a trace (a path or an iterable of dicts), sort it by timestamp, chain the keys."""
+    """Read a trace (a path, or records as dicts; kvtier.trace checks them), keep the first
+    `limit`, sort them by timestamp (stable) and chain their keys."""
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
     if isinstance(path, (str, Path)):
-        records = []
-        with open(path) as f:
-            for n, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not JSON: {e}") from None
+        records = read_trace(path, limit)
     else:
-        records = list(path)
-    if limit is not None:
-        records = records[:limit]
-    records.sort(key=lambda r: r.get("timestamp", 0))  # stable: equal timestamps keep file order
+        items = list(path)
+        records = as_records(items if limit is None else items[:limit])
     memo: dict[tuple[BlockKey, int], BlockKey] = {}
     out: list[SimRequest] = []
-    for r in records:
-        ids = r["hash_ids"]
-        length = int(r.get("input_length", len(ids) * block_tokens))
+    for r in by_time(records):
+        ids = r.hash_ids
+        length = r.num_tokens(block_tokens)
         keys: list[BlockKey] = []
         parent = SIM_ROOT
         for hid in ids:
@@ -102,7 +102,7 @@ def load_trace(
             keys.append(k)
             parent = k
         toks = [max(0, min(block_tokens, length - i * block_tokens)) for i in range(len(ids))]
-        out.append(SimRequest(float(r.get("timestamp", 0)), length, keys, toks))
+        out.append(SimRequest(r.time_ms, length, keys, toks))
     return out
 
 
@@ -264,25 +264,27 @@ def _build_tiers(config: SimConfig) -> tuple[SimHierarchy | None, CostModel]:
 
 
 class TraceSimulator:
-    """One capacity point: a BlockPool of `device_blocks` with its PrefixIndex and, when the
-    config has tier capacities, the engine's TierHierarchy below it. Call `replay(requests)`
-    (repeatedly, to feed more), then `result()`.
+    """One capacity point of the device pool, replaying requests through the engine's own cache
+    code: a KVCacheManager (BlockPool + PrefixIndex, its store policy) of `device_blocks` blocks
+    and, when the config has tier capacities, the engine's TierHierarchy below it, with each
+    restore decided by `plan_restore` (the scheduler's decision).
+
+    Contract: `replay(requests)` runs the requests one at a time in the order given, each alone
+    and to completion (every block freed, its stores done) before the next; call it repeatedly
+    to feed more. `result()` gives the counts so far (a SimPoint, updated in place by later
+    replays). Between calls no request holds a block, which `check_integrity()` asserts. One
+    simulator is not thread-safe; nothing in it reads a clock except `sim_seconds`.
 
     `config` (a SimConfig) and keyword overrides of its fields: TraceSimulator(8, host_blocks=4)."""
 
     def __init__(self, device_blocks: int, config: SimConfig | None = None, **overrides: Any) -> None:
         self.config = config = replace(config or SimConfig(), **overrides)
-        self.index = PrefixIndex(config.policy)
-        self.pool = BlockPool(device_blocks, self.index)
+        self.kv = KVCacheManager(device_blocks, config.block_tokens, eviction_policy=config.policy)
+        self.index, self.pool = self.kv.index, self.kv.pool
         self.tiers, self.cost = _build_tiers(config)
         wp = config.write_policy if self.tiers is not None else None
+        self.kv.set_store_policy(wp, config.selective_min_hits)
         self._write_through = wp == "write_through"
-        self._selective = wp == "selective"
-        self._restore_all = config.restore_policy == "always"
-        if wp == "write_back":
-            self.pool.eviction_log = []  # KVCacheManager.set_store_policy("write_back") does the same
-        self._to_store: list[BlockKey] = []
-        """Selective: blocks on their Nth hit, written down before the request computes."""
         bb = config.kv_block_bytes
         host, disk = config.host_cache_bytes, config.disk_cache_bytes
         self.point = SimPoint(
@@ -325,67 +327,59 @@ class TraceSimulator:
         p.prefill_total_s += t_cold
         if n == 0:
             return
-        pool, index, hier = self.pool, self.index, self.tiers
-        if n > pool.num_blocks:
+        kv, hier, bs = self.kv, self.tiers, self.config.block_tokens
+        if n > kv.num_blocks:
             p.oversized_requests += 1
             return
         # match: the device prefix; then what the tiers below hold after it, and the decision
-        hits = index.match_keys(keys)
+        hits = self.index.match_keys(keys)
         d = len(hits)
         t_cached = sum(toks[:d])
         p.device_hit_blocks += d
         p.device_hit_tokens += t_cached
-        k = 0
-        t_restore = 0.0
-        if hier is not None:
-            if d:
-                hier.touch(keys[:d])  # as Scheduler._try_restore: device hits refresh host entries
-            runs = hier.runs(keys, d)
-            decision = self.cost.decide(t_cached, runs, req.input_length, restore_all=self._restore_all)
-            p.restore_decisions[decision.kind] = p.restore_decisions.get(decision.kind, 0) + 1
-            p.stored_blocks += sum(r.num_blocks for r in runs)
-            k, t_restore = decision.num_blocks, decision.t_restore_s
-        # admit: reference the device prefix (KVCacheManager.allocate_new), then take blocks
-        ids = [node.block_id for node in hits]
-        for b in ids:
-            pool.ref(b)
-        self._record_hits(hits)
+        match = PrefixMatch([node.block_id for node in hits], keys[:d])
+        tokens = range(req.input_length)  # the manager only counts them
+        plan = None
+        if hier is not None:  # as Scheduler._try_restore
+            plan = plan_restore(hier, keys, d, t_cached, req.input_length)
+            kind = plan.decision.kind
+            p.restore_decisions[kind] = p.restore_decisions.get(kind, 0) + 1
+            p.stored_blocks += plan.num_stored_blocks
+        # admit: reference the device prefix and take blocks (the restore's first, loaded before
+        # the rest are taken); device evictions go to the write-back log
+        k = plan.num_blocks if plan is not None else 0
         loaded = 0
-        if k:
-            new = pool.allocate(k)  # allocate_restore
-            plan = take_runs(runs, k)
-            result = hier.submit_load(keys[d : d + k], plan).result()
+        if plan is not None and k:
+            assert hier is not None
+            admitted = kv.allocate_restore(_REQ, tokens, SIM_ROOT, match, keys[d : d + k])
+            load_runs = plan.load_runs()
+            result = hier.submit_load(keys[d : d + k], load_runs).result()
             loaded = len(result.tensors)
-            t_cached += self._count_restored(plan, toks, d, loaded)
-            new += pool.allocate(n - d - k)  # the rest, once the load is in (allocate_more)
+            t_cached += self._count_restored(load_runs, toks, d, loaded)
+            admitted = admitted and kv.allocate_more(_REQ, n * bs)
         else:
-            new = pool.allocate(n - d)
-        if hier is not None:
-            p.recomputed_stored_blocks += sum(r.num_blocks for r in runs) - loaded
-            self._store_pending()  # the step's first store: write-back evictions, selective hits
+            admitted = kv.allocate_new(_REQ, tokens, SIM_ROOT, match, (n - d) * bs)
+        if not admitted:  # nothing else holds a block: n blocks always fit
+            raise AssertionError("simulator: a request that fits the pool was not admitted")
+        if plan is not None:
+            p.recomputed_stored_blocks += plan.num_stored_blocks - loaded
+        self._store(kv.take_blocks_to_store())  # the step's first store: write-back evictions, selective hits
         # compute: register the blocks, then the request ends and frees them (last first)
         computed: list[BlockKey] = []
         parent = keys[d - 1] if d else SIM_ROOT
-        for j, bid in enumerate(new):
+        for j, bid in enumerate(kv.block_ids(_REQ)[d:]):
             key = keys[d + j]
-            if not pool.cache_block(bid, key, parent, None, d + j == 0):
+            if not self.pool.cache_block(bid, key, parent, None, d + j == 0):
                 raise AssertionError("simulator: a missing block could not be registered")
-            if self._write_through and j >= loaded:  # restored blocks are already below
+            if self._write_through and j >= loaded:  # as KVCacheManager.cache_blocks: restored blocks are below
                 computed.append(key)
             parent = key
-        ids.extend(new)
-        pool.free_blocks(ids)
-        if computed:
+        kv.free(_REQ)
+        if computed and hier is not None:
             hier.store(computed, [PAYLOAD] * len(computed))
+        t_restore = plan.decision.t_restore_s if plan is not None else 0.0
         p.restore_s += t_restore
         p.prefill_saved_s += t_cold - t_restore - prefill.estimate(req.input_length - t_cached, t_cached)
-
-    def _record_hits(self, hits: list[CachedBlock]) -> None:
-        record = self.index.record_hit
-        for node in hits:
-            record(node)
-            if self._selective and node.hits == self.config.selective_min_hits:
-                self._to_store.append(node.key)
 
     def _count_restored(self, plan: list[TierRun], toks: list[int], d: int, loaded: int) -> int:
         """Per-tier hits of the first `loaded` blocks of `plan`; returns their tokens."""
@@ -408,15 +402,10 @@ class TraceSimulator:
         p.restored_blocks += loaded
         return total
 
-    def _store_pending(self) -> None:
-        """KVCacheManager.take_blocks_to_store + TierHierarchy.store, as EngineCore._store_blocks."""
-        todo, self._to_store = self._to_store, []
-        log = self.pool.eviction_log
-        if log:
-            todo.extend(key for _, key, _ in log)
-            log.clear()
-        if todo:
-            self.tiers.store(todo, [PAYLOAD] * len(todo))
+    def _store(self, todo: list[BlockToStore]) -> None:
+        """KVCacheManager.take_blocks_to_store -> TierHierarchy.store, as EngineCore._store_blocks."""
+        if todo and self.tiers is not None:
+            self.tiers.store([t.key for t in todo], [PAYLOAD] * len(todo), [t.owner for t in todo])
 
     def result(self) -> SimPoint:
         p = self.point
@@ -445,7 +434,8 @@ class TraceSimulator:
 
     def check_integrity(self) -> None:
         """No request holds a block between requests; pool, index and tiers agree with themselves."""
-        self.pool.check_integrity(expected_refs={})
+        self.kv.check_integrity()
+        assert not self.kv.has_request(_REQ), "a request holds blocks between requests"
         host = self.host
         if host is not None:
             assert host.usage_bytes <= host.capacity_bytes, "host tier over capacity"
@@ -454,7 +444,7 @@ class TraceSimulator:
         if disk is not None:
             assert disk.usage_bytes <= disk.capacity_bytes, "disk tier over capacity"
             assert disk.usage_bytes == len(disk) * self.config.frame_bytes, "disk bytes miscounted"
-        assert not self._to_store and not self.pool.eviction_log, "stores left pending between requests"
+        assert not self.pool.eviction_log, "stores left pending between requests"
 
 
 def simulate(

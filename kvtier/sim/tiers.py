@@ -14,13 +14,14 @@ runs (a write-back demotion during a load's promotion) runs after it, as with on
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
 from kvtier.tiers.base import Tier
 from kvtier.tiers.hierarchy import TierHierarchy
+from kvtier.tiers.lru import ByteLRU
 
 PAYLOAD = True
 """What the simulator stores as a block's KV (the hierarchy only needs it to be non-None)."""
@@ -106,8 +107,7 @@ class MemoryTier(Tier):
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity_bytes = int(capacity_bytes)
-        self._index: OrderedDict[bytes, Any] = OrderedDict()  # key -> frame, LRU first
-        self._usage_bytes = 0
+        self._index: ByteLRU[bytes, Any] = ByteLRU()  # key -> frame, LRU first
 
     # -- the hot operations, lean (same results and counters as Tier's, no locks or gate)
     def contains_prefix(self, keys: list[bytes], count: bool = True) -> int:
@@ -137,54 +137,34 @@ class MemoryTier(Tier):
 
     # -- backend
     def _contains_prefix(self, keys: list[bytes]) -> int:
-        index = self._index
-        for i, key in enumerate(keys):
-            if key not in index:
-                return i
-        return len(keys)
+        return self._index.count_prefix(keys)
 
     def _get(self, key: bytes) -> Any:
-        data = self._index.get(key)
-        if data is not None:
-            self._index.move_to_end(key)
-        return data
+        entry = self._index.touch(key)
+        return None if entry is None else entry.value
 
     def _put(self, key: bytes, payload: Any, ttl_s: float | None) -> bool:
         size = len(payload)
         if size > self._capacity_bytes:
             self._count_error("too_large")
             return False
-        old = self._index.pop(key, None)
-        if old is not None:
-            self._usage_bytes -= len(old)
-        index = self._index
-        while self._usage_bytes > self._capacity_bytes - size and index:
-            _, frame = index.popitem(last=False)
-            self._usage_bytes -= len(frame)
-            self._stats.evictions += 1
-        index[key] = payload
-        self._usage_bytes += size
+        self._index.pop(key)
+        self._stats.evictions += len(self._index.evict_to(self._capacity_bytes - size))
+        self._index.insert(key, payload, size)
         return True
 
     def _delete(self, key: bytes) -> bool:
-        old = self._index.pop(key, None)
-        if old is None:
-            return False
-        self._usage_bytes -= len(old)
-        return True
+        return self._index.pop(key) is not None
 
     def _keys(self) -> Iterable[bytes]:
         return list(self._index)
 
     def _clear(self) -> int:
-        n = len(self._index)
-        self._index.clear()
-        self._usage_bytes = 0
-        return n
+        return len(self._index.clear())
 
     @property
     def usage_bytes(self) -> int:
-        return self._usage_bytes
+        return self._index.usage_bytes
 
     @property
     def capacity_bytes(self) -> int:

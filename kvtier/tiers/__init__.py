@@ -1,4 +1,5 @@
-"""Storage tiers below the device KV pool: the protocol (base), the frame codec, disk, remote.
+"""Storage tiers below the device KV pool: the protocol (base), the frame codec, host, disk,
+remote, their shared LRU bookkeeping (lru), and the hierarchy over them (hierarchy, tenants).
 
 Names load lazily: `kvtier.tiers.base` needs neither torch nor redis, so bookkeeping layers and
 the simulator can import the protocol alone.

@@ -40,7 +40,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 _T = TypeVar("_T")
 
@@ -56,6 +56,14 @@ class TierError(Exception):
         self.kind = kind
 
 
+class InjectedError(TierError):
+    """The failure a FaultInjector makes up (kind "injected"): the only exception a tier may
+    count as injected; anything else from the fault machinery is a real bug."""
+
+    def __init__(self, message: str = "fault injection (error_rate)") -> None:
+        super().__init__("injected", message)
+
+
 # -- fault injection --------------------------------------------------------------------------------
 
 
@@ -63,7 +71,7 @@ class TierError(Exception):
 class FaultConfig:
     """Faults a tier adds to its own operations: slow, narrow or flaky storage on demand.
 
-    Used by experiments (what does a 5 ms remote tier cost?) and tests. Latency is added to every
+    Used by experiments (what does a slow remote tier cost?) and tests. Latency is added to every
     operation that reaches the backend; the bandwidth cap delays reads and writes by
     nbytes / bandwidth, shared by all threads of the tier (one link, not one per thread).
     """
@@ -71,7 +79,7 @@ class FaultConfig:
     latency_s: float = 0.0
     bandwidth_bytes_per_s: float | None = None
     error_rate: float = 0.0
-    """Probability that an operation fails with TierError(kind="injected")."""
+    """Probability that an operation fails with InjectedError (a TierError, kind "injected")."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -105,7 +113,7 @@ class FaultConfig:
             "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", 1.0),
             "error_rate": ("error_rate", 1.0),
         }
-        values: dict[str, float | int] = {}
+        values: dict[str, Any] = {}
         for item in spec.split(","):
             name, sep, raw = item.partition("=")
             name = name.strip().lower()
@@ -127,7 +135,8 @@ class FaultConfig:
 
 class FaultInjector:
     """Applies one FaultConfig. Thread-safe; the random stream is seeded, so a single-threaded
-    run fails the same operations every time."""
+    run fails the same operations every time. `before_op` raises only InjectedError; both
+    methods may block (the configured latency, the bandwidth queue)."""
 
     def __init__(self, config: FaultConfig | None, sleep: Callable[[float], None] = time.sleep) -> None:
         self.config = config or FaultConfig()
@@ -137,7 +146,8 @@ class FaultInjector:
         self._sleep = sleep
 
     def before_op(self) -> None:
-        """Latency, then maybe an injected failure. Called before the backend is touched."""
+        """Latency, then maybe an injected failure (InjectedError). Called before the backend
+        is touched."""
         cfg = self.config
         if cfg.latency_s > 0:
             self._sleep(cfg.latency_s)
@@ -145,7 +155,7 @@ class FaultInjector:
             with self._lock:
                 fail = self._rng.random() < cfg.error_rate
             if fail:
-                raise TierError("injected", "fault injection (error_rate)")
+                raise InjectedError()
 
     def transfer(self, nbytes: int) -> None:
         """Hold the caller until `nbytes` have passed the capped link (queued behind others)."""
@@ -247,14 +257,16 @@ class HealthGate:
     def record_failure(self) -> bool:
         """Returns True when this failure took the gate from healthy to unhealthy."""
         with self._lock:
-            was_healthy = self._backoff_s is None
-            if was_healthy:
-                self._backoff_s = self.initial_backoff_s
+            backoff_s = self._backoff_s
+            was_healthy = backoff_s is None
+            if backoff_s is None:
+                backoff_s = self.initial_backoff_s
             elif self._probing or self._clock() >= self._retry_at:
                 # a failed probe (or the first failure after the backoff) doubles the wait;
                 # failures of operations that started before the gate closed do not
-                self._backoff_s = min(self._backoff_s * 2, self.max_backoff_s)
-            self._retry_at = self._clock() + self._backoff_s
+                backoff_s = min(backoff_s * 2, self.max_backoff_s)
+            self._backoff_s = backoff_s
+            self._retry_at = self._clock() + backoff_s
             self._probing = False
             self.num_failures += 1
             return was_healthy
@@ -339,14 +351,17 @@ def _check_key(key: bytes) -> None:
 
 class TierCounters:
     """What every tier keeps beside its entries: counters (TierStats) and fault injection. The
-    base of `Tier` and of the host tier, which holds tensors rather than framed payloads."""
+    base of `Tier` and of the host tier, which holds tensors rather than framed payloads.
 
-    def __init__(self, faults: FaultConfig | None = None, stats_lock: threading.Lock | None = None) -> None:
+    Thread-safety: `_stats_lock` guards `_stats` and nothing else, and no other lock is taken
+    while it is held (a leaf lock), so `_count` may be called with or without a tier's own
+    entry lock held."""
+
+    def __init__(self, faults: FaultConfig | None = None) -> None:
         self._faults = FaultInjector(faults)
         self._stats = TierStats()
-        self._stats_lock = stats_lock or threading.Lock()
-        """Guards `_stats`; a tier may share its own lock (then it must not hold it when calling
-        the methods here)."""
+        self._stats_lock = threading.Lock()
+        """Guards `_stats` only (a leaf: nothing else is locked while it is held)."""
 
     @property
     def stats(self) -> TierStats:
@@ -377,8 +392,27 @@ class TierCounters:
 
 
 class Tier(TierCounters, ABC):
-    """One store below the device pool. Subclasses implement the `_`-prefixed backend methods;
-    they may raise anything on backend trouble (map it to a kind in `_error_kind`)."""
+    """One store of framed payloads (codec.py) under 16-byte block keys, below the device pool.
+
+    Stores: whatever the backend holds for this tier's fingerprint; the base class keeps the
+    counters (TierStats), the fault injector and the health gate.
+
+    Thread-safety: every public method may be called from any thread. The base class holds no
+    lock across a backend call (the gate and the counters have their own leaf locks); each
+    backend guards its own state. `get`, `put`, `delete`, `keys`, `clear` and `call` may block
+    on the backend (files, the network) and on injected latency or bandwidth;
+    `contains_prefix` blocks as little as the backend allows (an in-memory index, one round
+    trip).
+
+    Failures: backend trouble never reaches the caller of the public operations: it is
+    counted in `stats.errors` by kind, closes the health gate, and the operation degrades to a
+    miss (None, 0, an empty iteration) or a dropped write (False). While the gate is closed,
+    operations are answered without the backend (`stats.skipped`). `call` is the exception: it
+    raises TierError, for tier-specific operations whose caller must know (a purge). Misuse (a
+    key that is not bytes) raises TypeError before the backend is touched.
+
+    Subclasses implement the `_`-prefixed backend methods; they may raise anything on backend
+    trouble (map it to a kind in `_error_kind`)."""
 
     name: str
 
@@ -576,6 +610,7 @@ class Tier(TierCounters, ABC):
 
         def read() -> list[bytes | None]:
             out = self._get_many(keys)
+            assert out is not None  # overridden: the backend batches
             self._faults.transfer(sum(len(d) for d in out if d is not None))
             return out
 

@@ -54,7 +54,7 @@ _TAIL = struct.Struct("<QQ")  # stored payload length, checksum
 COMPRESSIONS = {None: 0, "lz4": 1, "zstd": 2}
 _COMPRESSION_NAMES = {v: k for k, v in COMPRESSIONS.items()}
 ZSTD_LEVEL = 3
-"""zstd level 3: ~1 GB/s compression on one core; higher levels gain little on KV values."""
+"""zstd level 3: higher levels cost more time and gain little on KV values."""
 
 
 def _dtype_codes() -> dict[torch.dtype, int]:
@@ -98,9 +98,9 @@ class Cipher(Protocol):
     """Per-tenant encryption hook. Both methods take bytes-like data and return bytes; `aad`
     is authenticated, not encrypted. decrypt must raise when authentication fails."""
 
-    def encrypt(self, plaintext: bytes, aad: bytes) -> bytes: ...
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes: ...
 
-    def decrypt(self, ciphertext: bytes, aad: bytes) -> bytes: ...
+    def decrypt(self, ciphertext: bytes | memoryview, aad: bytes) -> bytes: ...
 
 
 # -- compression (compressor objects are not thread-safe: one per thread) ----------------------------
@@ -128,7 +128,7 @@ def _compress(comp_id: int, data: memoryview) -> bytes:
     return _zstd_compressor().compress(data)
 
 
-def _decompress(comp_id: int, data: memoryview, nbytes: int) -> bytes:
+def _decompress(comp_id: int, data: bytes | memoryview, nbytes: int) -> bytes:
     if comp_id == 1:
         return lz4.block.decompress(data, uncompressed_size=nbytes)
     return _zstd_decompressor().decompress(data, max_output_size=nbytes)
@@ -178,7 +178,7 @@ def encode(
     if t.device.type != "cpu":
         t = t.cpu()
     # [numel * itemsize] uint8 view of the same memory: numpy has no bf16/fp8, bytes have no dtype
-    raw = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
     payload: bytes | memoryview = raw
     if comp_id:
@@ -259,6 +259,7 @@ def decode(
     nbytes = out.numel() * out.element_size()
     payload: bytes | memoryview = mv[hdr_end:]
     if encrypted:
+        assert cipher is not None  # checked above: encrypted == (cipher is not None)
         try:
             payload = cipher.decrypt(payload, bytes(mv[:aad_end]))
         except Exception as exc:

@@ -35,11 +35,11 @@ class AesGcmCipher:
             raise ValueError("AES-256-GCM needs a 32-byte key")
         self._aead = AESGCM(key)
 
-    def encrypt(self, plaintext: bytes, aad: bytes) -> bytes:
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, bytes(plaintext), bytes(aad))
 
-    def decrypt(self, ciphertext: bytes, aad: bytes) -> bytes:
+    def decrypt(self, ciphertext: bytes | memoryview, aad: bytes) -> bytes:
         data = bytes(ciphertext)
         if len(data) < NONCE_BYTES + 16:
             raise ValueError("ciphertext too short")

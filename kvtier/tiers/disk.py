@@ -49,11 +49,11 @@ import os
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvtier.tiers.base import FaultConfig, HealthGate, Tier
+from kvtier.tiers.lru import ByteLRU
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
@@ -100,6 +100,24 @@ def entry_path(directory: str | os.PathLike, key: bytes) -> Path:
 
 
 class DiskTier(Tier):
+    """Codec frames in files under `root_dir/<fingerprint hex>/`, least recently used first out
+    once their sizes pass `capacity_bytes` (the layout and the locking: the module doc).
+
+    Stores: one file per block, an in-memory index of key -> frame size in LRU order (rebuilt
+    from the files at start), and per-tenant key manifests (`record_owner`).
+
+    Thread-safety: every method may be called from any thread. `_lock` guards the index, the
+    usage and the reservations and is never held during a file-system call, so
+    `contains_prefix`, `contains_count` and `entry_sizes` never wait on the disk; `get`, `put`,
+    `delete`, `clear` and the manifest methods do file I/O and may block on it (and on
+    injected faults). One key's file operations are ordered by its stripe of `_key_locks`;
+    manifest appends by `_manifest_lock`.
+
+    Failures: as every Tier (base.py): an OSError is counted by kind ("io", "disk_full"),
+    trips the health gate, and the operation degrades to a miss or a dropped write; a full
+    file system with entries left to evict is handled by evicting (module doc). The manifest
+    methods count their errors the same way and answer [] / nothing."""
+
     def __init__(
         self,
         root_dir: str | os.PathLike,
@@ -129,8 +147,7 @@ class DiskTier(Tier):
         """Serialises appends to the owner manifests (no index state behind it)."""
         self._key_locks = [threading.Lock() for _ in range(_NUM_KEY_LOCKS)]
         """Stripes that order one key's rename/unlink with its index update (see the module doc)."""
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> frame bytes, LRU first
-        self._usage_bytes = 0
+        self._index: ByteLRU[bytes, None] = ByteLRU()  # key -> frame bytes, LRU first
         self._reserved_bytes = 0  # puts between choosing their victims and entering the index
         self._tmp_ids = itertools.count()
         self.num_removed_tmp_files = 0
@@ -147,7 +164,7 @@ class DiskTier(Tier):
         _make_private_dir(self.dir / "owners")
         self._rebuild_index()
         with self._lock:
-            victims = self._take_victims(self._usage_bytes - self._capacity_bytes, keep=None)
+            victims = self._take_victims(self._capacity_bytes, keep=None)
         self._remove_files(victims, evicted=True)
 
     # -- paths and index ---------------------------------------------------------------------------
@@ -190,8 +207,7 @@ class DiskTier(Tier):
                     found.append((st.st_mtime, key, st.st_size))
         found.sort()
         for _, key, size in found:
-            self._index[key] = size
-            self._usage_bytes += size
+            self._index.insert(key, None, size)
 
     # -- ownership manifests (purge by tenant) ---------------------------------------------------
     def _owner_path(self, owner_id: str) -> Path:
@@ -250,7 +266,16 @@ class DiskTier(Tier):
     def contains_count(self, keys: list[bytes]) -> int:
         """How many of `keys` are stored now (in any order)."""
         with self._lock:
-            return sum(1 for k in keys if k in self._index)
+            return self._index.count_present(keys)
+
+    def entry_sizes(self, keys: Iterable[bytes] | None = None) -> dict[bytes, int]:
+        """{key: frame bytes} of the entries stored now among `keys`, in the order of `keys`
+        (None: every entry, least recent first). The index's view: no file is touched."""
+        with self._lock:
+            if keys is None:
+                return {e.key: e.nbytes for e in self._index.entries()}
+            found = (self._index.peek(k) for k in keys)
+            return {e.key: e.nbytes for e in found if e is not None}
 
     def forget_owner(self, owner_id: str) -> None:
         self._unlink_quietly(self._owner_path(owner_id))
@@ -264,28 +289,13 @@ class DiskTier(Tier):
 
     def _forget(self, key: bytes) -> bool:
         """Drop a key from the index (lock held). True when it was there."""
-        size = self._index.pop(key, None)
-        if size is None:
-            return False
-        self._usage_bytes -= size
-        return True
+        return self._index.pop(key) is not None
 
-    def _take_victims(self, excess_bytes: int, keep: bytes | None) -> list[bytes]:
-        """Take LRU entries other than `keep` out of the index until they add up to `excess_bytes`
-        (lock held). The caller removes their files after releasing the lock (`_remove_files`)."""
-        if excess_bytes <= 0:
-            return []
-        victims: list[bytes] = []
-        for key, size in self._index.items():
-            if key == keep:
-                continue
-            victims.append(key)
-            excess_bytes -= size
-            if excess_bytes <= 0:
-                break
-        for key in victims:
-            self._forget(key)
-        return victims
+    def _take_victims(self, limit_bytes: int, keep: bytes | None) -> list[bytes]:
+        """Take LRU entries other than `keep` out of the index until the rest fits in
+        `limit_bytes` (lock held). The caller removes their files after releasing the lock
+        (`_remove_files`)."""
+        return [entry.key for entry in self._index.evict_to(limit_bytes, keep=keep)]
 
     def _remove_files(self, keys: list[bytes], *, evicted: bool) -> None:
         """Unlink the files of keys already taken out of the index, except where a put has
@@ -307,18 +317,13 @@ class DiskTier(Tier):
         return super()._error_kind(exc)
 
     def _contains_prefix(self, keys: list[bytes]) -> int:
-        index = self._index
         with self._lock:
-            for i, key in enumerate(keys):
-                if key not in index:
-                    return i
-        return len(keys)
+            return self._index.count_prefix(keys)
 
     def _get(self, key: bytes) -> bytes | None:
         with self._lock:
-            if key not in self._index:
+            if self._index.touch(key) is None:
                 return None
-            self._index.move_to_end(key)
         path = self._path(key)
         data = self._read(key, path)
         if data is None:  # deleted or evicted since the lookup, or removed behind our back
@@ -358,14 +363,9 @@ class DiskTier(Tier):
             self._count_error("too_large")
             return False
         with self._lock:  # room first: a full file system must not hold the new file and the victims
-            excess = (
-                self._usage_bytes
-                - self._index.get(key, 0)
-                + self._reserved_bytes
-                + size
-                - self._effective_capacity_bytes
-            )
-            victims = self._take_victims(excess, keep=key)
+            old = self._index.peek(key)  # replaced by this put: its bytes are not in the way
+            limit = self._effective_capacity_bytes - self._reserved_bytes - size + (0 if old is None else old.nbytes)
+            victims = self._take_victims(limit, keep=key)
             self._reserved_bytes += size
         installed = False
         try:
@@ -393,9 +393,10 @@ class DiskTier(Tier):
         with self._lock:
             if not any(k != key for k in self._index):
                 raise exc
-            held_bytes = self._usage_bytes + self._reserved_bytes - size
+            held_bytes = self._index.usage_bytes + self._reserved_bytes - size
             self._effective_capacity_bytes = min(self._effective_capacity_bytes, held_bytes)
-            victims = self._take_victims(size + max(size // 8, _ENOSPC_MARGIN_BYTES), keep=key)
+            room_bytes = size + max(size // 8, _ENOSPC_MARGIN_BYTES)
+            victims = self._take_victims(self._index.usage_bytes - room_bytes, keep=key)
         self._remove_files(victims, evicted=True)
 
     def _write_temp(self, key: bytes, payload: bytes) -> Path:
@@ -435,9 +436,7 @@ class DiskTier(Tier):
                 raise
             with self._lock:
                 self._reserved_bytes -= size
-                self._forget(key)  # a replaced entry frees its bytes
-                self._index[key] = size
-                self._usage_bytes += size
+                self._index.insert(key, None, size)  # a replaced entry frees its bytes
         if self.fsync:
             dfd = os.open(path.parent, os.O_RDONLY)
             try:
@@ -459,9 +458,7 @@ class DiskTier(Tier):
 
     def _clear(self) -> int:
         with self._lock:
-            keys = list(self._index)
-            self._index.clear()
-            self._usage_bytes = 0
+            keys = [entry.key for entry in self._index.clear()]
         self._remove_files(keys, evicted=False)
         return len(keys)
 
@@ -469,7 +466,7 @@ class DiskTier(Tier):
     @property
     def usage_bytes(self) -> int:
         """Exact: the sum of the frames' sizes in the index."""
-        return self._usage_bytes
+        return self._index.usage_bytes
 
     @property
     def capacity_bytes(self) -> int:

@@ -13,6 +13,9 @@ Loads copy below-device hits into device blocks; disk and remote hits are promot
 The hierarchy is the policy *and* the I/O: the simulator (kvtier/sim) runs this same class with
 payload-free tiers and a serial executor (`tiers=`, `executor=`, and `_encode`/`_decode`
 overridden), so every placement decision it reports is this code's.
+
+Per-tenant administration (purges, TTL expiry, quotas, usage) lives in tenants.TenantAdmin; the
+tenant methods here delegate to it.
 """
 
 from __future__ import annotations
@@ -21,15 +24,22 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
-from kvtier.tiers.base import FaultConfig, TierError, TierStats
-from kvtier.tiers.purge import ALL, OwnerFence, PurgeLedger, unlink_remote
+from kvtier.tiers.base import FaultConfig, TierStats
+from kvtier.tiers.host import HostEntry
+from kvtier.tiers.purge import OwnerFence, Stamp
+from kvtier.tiers.tenants import TenantAdmin
+
+if TYPE_CHECKING:
+    from kvtier.tiers.crypto import KeyStore
+    from kvtier.tiers.keyring import FleetKeyring
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +167,25 @@ class HierarchyStats:
 
 
 class TierHierarchy:
+    """The tiers below the device pool (host -> disk -> remote) as one store, with the write
+    policy, promotion and demotion, per-tenant encryption, and background I/O.
+
+    Stores: nothing itself; it owns the tiers (`tiers`, fastest first), the data keys
+    (`keys`), the purge fence (`fence`) and the tenant administration (`tenants`).
+
+    Thread-safety: the lookup methods (`runs`, `touch`, `contains_prefix` of host and disk)
+    and `store`'s host part run synchronously on the caller's (engine) thread and never wait
+    on disk or network; loads, disk/remote stores and remote lookups run on the I/O pool and
+    hand back futures; purges, sweeps and usage queries run on the admin worker
+    (`submit_admin`). `_lock` guards the pending-store count, the in-flight counts and the
+    revoked tenants, and is never held across tier I/O. The tiers lock themselves.
+
+    Failures: a tier in trouble degrades to a miss or a dropped write (the tiers count it);
+    a load stops at the first block it cannot get and returns the leading ones (the rest is
+    recomputed); a store that fails is logged and dropped; stores beyond
+    `max_pending_stores` are dropped and counted. Nothing here raises for tier trouble,
+    except where a purge must know (see TenantAdmin: it records a pending purge instead)."""
+
     def __init__(
         self,
         config: TierConfig,
@@ -184,12 +213,7 @@ class TierHierarchy:
         else:
             self.tiers = self._open_tiers(config, fingerprint)
         self.names = list(self.tiers)
-        self.owner_quota: dict[str | None, tuple[int | None, int | None]] = {}
-        """Per-tenant (host_bytes, disk_bytes) caps; a tenant over its cap loses its own oldest
-        blocks first, never another tenant's."""
-        self.owner_ttl_s: dict[str | None, float] = {}
-        """Per-tenant time to live of stored KV (set by the server from its tenant config)."""
-        self.keys = None
+        self.keys: FleetKeyring | KeyStore | None = None
         self.revoked_owners: set[str | None] = set()
         """Tenants whose fleet data key another instance destroyed or replaced: the engine
         purges its own copies of them (AsyncEngine) and clears the entry."""
@@ -210,15 +234,11 @@ class TierHierarchy:
         self._pool = executor or ThreadPoolExecutor(
             max_workers=config.io_threads, thread_name_prefix="kvtier-io", initializer=threads.on_helper_thread
         )
-        self._admin: ThreadPoolExecutor | None = None  # purges, sweeps: off the engine thread
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # pending stores drained (flush)
         self.fence = OwnerFence()
-        self.ledger = PurgeLedger(_ledger_path(config, fingerprint))
-        self._held: set[str] = set()  # owner ids fenced until their pending remote purge is done
-        for oid in self.ledger.pending():
-            self.fence.begin(oid)
-            self._held.add(oid)
+        self.tenants = TenantAdmin(self, _ledger_path(config, fingerprint))
+        """Purges, TTL expiry, quotas and usage per tenant (the methods below delegate to it)."""
         self._pending_stores = 0
         self._inflight: dict[str, int] = {name: 0 for name in self.names}
         self.stats = HierarchyStats()
@@ -237,6 +257,15 @@ class TierHierarchy:
             check_interval_s=check_interval_s,
             on_revoked=self._on_key_revoked,
         )
+
+    @property
+    def fleet_keys(self) -> FleetKeyring | None:
+        """The data keys when they are fleet keys (kvtier.tiers.keyring), else None."""
+        if self.keys is None:
+            return None
+        from kvtier.tiers.keyring import FleetKeyring
+
+        return self.keys if isinstance(self.keys, FleetKeyring) else None
 
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
@@ -293,18 +322,19 @@ class TierHierarchy:
         for _ in range(16):
             if p >= len(keys):
                 break
-            n, name = 0, None
+            n, found = 0, ""
             for name in ("host", "disk"):
                 tier = self.tiers.get(name)
                 if tier is not None:
                     n = tier.contains_prefix(keys[p:], count=count)
                     if n:
+                        found = name
                         break
             if not n and remote_prefix > p:
-                n, name = remote_prefix - p, "remote"
+                n, found = remote_prefix - p, "remote"
             if not n:
                 break
-            runs.append(TierRun(name, n))
+            runs.append(TierRun(found, n))
             p += n
         return runs
 
@@ -312,8 +342,7 @@ class TierHierarchy:
         """A device hit on `keys` (a prefix): refresh their host entries, head of the prefix
         last (most recent), as a restore does. Without it, an inclusive host tier ages out
         exactly the blocks that are hottest on device, and loses them for when the device
-        evicts them (the simulator measured 28.0% vs 28.8% block hits on the conversation
-        trace at 10k device blocks)."""
+        evicts them."""
         host = self.tiers.get("host")
         if host is not None and keys:
             host.touch(reversed(keys))
@@ -356,10 +385,11 @@ class TierHierarchy:
 
     def _recheck_key(self, owner: str | None, used: Any) -> Any | None:
         """Fleet keys: the owner's current cipher if it differs from `used`, else None."""
-        if used is None or not hasattr(self.keys, "check"):
+        fleet = self.fleet_keys
+        if used is None or fleet is None:
             return None
         try:
-            fresh = self.keys.check(owner or DEFAULT_OWNER)
+            fresh = fleet.check(owner or DEFAULT_OWNER)
         except Exception:  # noqa: BLE001 - Redis unreachable, a wrong master key: treat as corrupt
             return None
         return fresh if fresh is not None and fresh.key_id != used.key_id else None
@@ -372,9 +402,9 @@ class TierHierarchy:
     def refresh_key(self, owner: str | None) -> None:
         """Fleet keys: re-read `owner`'s wrapped key if the cached one is older than the check
         interval (any thread; a revocation lands in `revoked_owners`). No-op otherwise."""
-        refresh = getattr(self.keys, "refresh", None)
-        if refresh is not None:
-            refresh(owner or DEFAULT_OWNER)
+        fleet = self.fleet_keys
+        if fleet is not None:
+            fleet.refresh(owner or DEFAULT_OWNER)
 
     def take_revoked(self) -> list[str | None]:
         with self._lock:
@@ -395,7 +425,7 @@ class TierHierarchy:
         return self._pool.submit(self._fenced_load, keys, plan, time.perf_counter(), owner, stamp)
 
     def _fenced_load(
-        self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None, stamp: tuple[int, int]
+        self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None, stamp: Stamp
     ) -> LoadResult:
         """A load of a tenant purged since it was queued (or being purged) loads nothing."""
         with self.fence.enter(owner_id(owner), stamp) as ok:
@@ -413,7 +443,7 @@ class TierHierarchy:
         plan: list[str],
         submitted: float,
         owner: str | None = None,
-        stamp: tuple[int, int] | None = None,
+        stamp: Stamp | None = None,
     ) -> LoadResult:
         t_start = time.perf_counter()
         stamp = stamp if stamp is not None else self.fence.stamp(owner_id(owner))
@@ -427,7 +457,7 @@ class TierHierarchy:
                 tier = self.tiers[name]
                 if name == "host":
                     entry = tier.get(key)
-                    kv = None if entry is None or entry[3] != stamp else entry[0]
+                    kv = None if entry is None or entry.stamp != stamp else entry.kv
                 else:
                     if name == "remote" and key not in prefetched:
                         # one round trip for the next run of remote blocks (up to 32)
@@ -438,7 +468,7 @@ class TierHierarchy:
                     if kv is not None:
                         host = self.tiers.get("host")
                         if host is not None:
-                            host.put(key, (kv, owner, time.monotonic(), stamp), self.block_bytes)
+                            host.put(key, HostEntry(kv, owner, time.monotonic(), stamp), self.block_bytes)
                             self.stats.promotions += 1
                 tier_time[name] = tier_time.get(name, 0.0) + time.perf_counter() - t0
                 if kv is None:
@@ -474,29 +504,27 @@ class TierHierarchy:
         `owners`: each block's tenant (its data key encrypts the block on disk and remote)."""
         owners = owners if owners is not None else [None] * len(keys)
         host = self.tiers.get("host")
-        lower = [n for n in ("disk", "remote") if n in self.tiers]
+        lower: list[str] = [n for n in ("disk", "remote") if n in self.tiers]
         if self.config.cache_write_policy == "write_back" and host is not None:
             lower = []  # host evictions demote them later
         if host is not None:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
             for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
                 if key not in host:
-                    host.put(key, (kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner))), self.block_bytes)
+                    entry = HostEntry(kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner)))
+                    host.put(key, entry, self.block_bytes)
             for owner in set(owners):
-                cap = self.owner_quota.get(owner, (None, None))[0]
-                if cap is not None:
-                    self._enforce_host_quota(host, owner, cap)
+                self.tenants.enforce_host_quota(owner)
         if lower:
             self._submit_store(keys, tensors, owners, lower)
 
-    def _on_host_evict(self, key: bytes, entry: Any) -> None:
+    def _on_host_evict(self, key: bytes, entry: HostEntry) -> None:
         if self.config.cache_write_policy != "write_back" or self._closed:
             return
-        lower = [n for n in ("disk", "remote") if n in self.tiers]
+        lower: list[str] = [n for n in ("disk", "remote") if n in self.tiers]
         if lower:
             self.stats.demotions += 1
-            kv, owner, _, stamp = entry
-            self._submit_store([key], [kv], [owner], lower, [stamp])
+            self._submit_store([key], [entry.kv], [entry.owner], lower, [entry.stamp])
 
     def _submit_store(
         self,
@@ -504,7 +532,7 @@ class TierHierarchy:
         tensors: list[Any],
         owners: list[str | None],
         names: list[str],
-        stamps: list[tuple[int, int]] | None = None,
+        stamps: list[Stamp] | None = None,
     ) -> None:
         """Queue a store; each block carries its owner's stamp of now (or of when the host
         tier got it, for a demotion), so a purge in between fences it off."""
@@ -523,11 +551,11 @@ class TierHierarchy:
         tensors: list[Any],
         owners: list[str | None],
         names: list[str],
-        stamps: list[tuple[int, int]] | None = None,
+        stamps: list[Stamp] | None = None,
     ) -> None:
         try:
             stamps = stamps or [self.fence.stamp(owner_id(o)) for o in owners]
-            groups: dict[tuple[str | None, tuple[int, int]], list[int]] = {}
+            groups: dict[tuple[str | None, Stamp], list[int]] = {}
             for i, group in enumerate(zip(owners, stamps)):
                 groups.setdefault(group, []).append(i)
             for (owner, stamp), idx in groups.items():
@@ -560,230 +588,73 @@ class TierHierarchy:
                         data = self._encode(kv, key, owner)
                     except (KeyDestroyedError, KeyringError):
                         return  # no data key to be had now (Redis down): nothing is stored
-                if tier.put(key, data, self._remote_ttl(owner) if name == "remote" else None):
+                if tier.put(key, data, self.tenants.remote_ttl(owner) if name == "remote" else None):
                     stored.setdefault(name, []).append(key)
         for name, done in stored.items():
             self.tiers[name].record_owner(owner_id(owner), done)
-            cap = self.owner_quota.get(owner, (None, None))[1]
-            if name == "disk" and cap is not None:
-                self._enforce_disk_quota(self.tiers[name], owner, cap)
+            if name == "disk":
+                self.tenants.enforce_disk_quota(owner)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
         """Wait until queued stores are written (tests, shutdown). True if drained."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending_stores == 0, timeout_s)
 
-    # ------------------------------------------------------------------ tenants
-    def _enforce_host_quota(self, host: Any, owner: str | None, cap_bytes: int) -> None:
-        with host._lock:
-            mine = [k for k, v in host._entries.items() if v[1] == owner]  # least recent first
-        excess = len(mine) * self.block_bytes - cap_bytes
-        for key in mine:
-            if excess <= 0:
-                break
-            if host.delete(key):
-                excess -= self.block_bytes
-                self.stats.quota_evictions += 1
+    # ------------------------------------------------------------------ tenants (TenantAdmin)
+    @property
+    def owner_quota(self) -> dict[str | None, tuple[int | None, int | None]]:
+        """Per-tenant (host_bytes, disk_bytes) caps (TenantAdmin.owner_quota)."""
+        return self.tenants.owner_quota
 
-    def _enforce_disk_quota(self, disk: Any, owner: str | None, cap_bytes: int) -> None:
-        keys = disk.owner_keys(owner_id(owner))  # oldest write first
-        with disk._lock:
-            present = [(k, disk._index[k]) for k in keys if k in disk._index]
-        excess = sum(size for _, size in present) - cap_bytes
-        for key, size in present:
-            if excess <= 0:
-                break
-            if disk.delete(key):
-                excess -= size
-                self.stats.quota_evictions += 1
+    @owner_quota.setter
+    def owner_quota(self, quotas: dict[str | None, tuple[int | None, int | None]]) -> None:
+        self.tenants.owner_quota = quotas
 
-    def _remote_ttl(self, owner: str | None) -> float | None:
-        ttls = [t for t in (self.config.remote_ttl_s, self.owner_ttl_s.get(owner)) if t is not None]
-        return min(ttls) if ttls else None
+    @property
+    def owner_ttl_s(self) -> dict[str | None, float]:
+        """Per-tenant time to live of stored KV (TenantAdmin.owner_ttl_s)."""
+        return self.tenants.owner_ttl_s
+
+    @owner_ttl_s.setter
+    def owner_ttl_s(self, ttls: dict[str | None, float]) -> None:
+        self.tenants.owner_ttl_s = ttls
 
     def expire_owner(self, owner: str | None, ttl_s: float) -> dict[str, int]:
-        """Delete `owner`'s blocks stored more than `ttl_s` ago from host and disk (Redis
-        entries carry the TTL themselves)."""
-        counts: dict[str, int] = {}
-        host = self.tiers.get("host")
-        if host is not None:
-            cutoff = time.monotonic() - ttl_s
-            counts["host"] = host.purge_where(lambda e: e[1] == owner and e[2] < cutoff)
-        disk = self.tiers.get("disk")
-        if disk is not None:
-            counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s)
-        return counts
+        """TenantAdmin.expire_owner: `owner`'s blocks older than `ttl_s` out of host and disk."""
+        return self.tenants.expire_owner(owner, ttl_s)
 
-    # ------------------------------------------------------------------ purges
-    def submit_admin(self, fn: Any, *args: Any) -> Future:
-        """Run `fn(*args)` on the admin worker (one thread: purges, sweeps, usage), never on
-        the engine thread and never behind the loads and stores of the I/O pool."""
-        if self._admin is None:
-            self._admin = ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix="kvtier-admin", initializer=threads.on_helper_thread
-            )
-        return self._admin.submit(fn, *args)
+    def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
+        """TenantAdmin.owner_usage: what `owner` has stored, per tier."""
+        return self.tenants.owner_usage(owner)
+
+    def submit_admin(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """TenantAdmin.submit_admin: run `fn(*args)` on the admin worker."""
+        return self.tenants.submit_admin(fn, *args)
 
     def purge_owner(self, owner: str | None) -> dict[str, Any]:
-        """Delete every stored block of `owner` from every tier and destroy its data key
-        (blocking; the server uses begin_purge)."""
-        return self.begin_purge(owner).result()
+        """TenantAdmin.purge_owner: delete every stored block of `owner` (blocking)."""
+        return self.tenants.purge_owner(owner)
 
     def begin_purge(self, owner: str | None, everywhere: bool = True) -> Future:
-        """Fence off `owner`'s tier I/O and drop its host entries now (cheap, in memory); the
-        rest runs on the admin worker. The future's result: blocks deleted per tier,
-        `key_destroyed`, and `pending`: the tiers whose part could not be done (kept in the
-        ledger and retried by retry_pending_purges; the owner stays fenced off meanwhile).
-        `everywhere` False: only this instance's copies (host, disk), for a fleet key that
-        another instance destroyed."""
-        oid = owner_id(owner)
-        self.fence.begin(oid)
-        host = self.tiers.get("host")
-        num_host = host.purge_where(lambda e: e[1] == owner) if host is not None else 0
-        forget = getattr(self.keys, "forget", None)
-        if forget is not None:
-            forget(owner or DEFAULT_OWNER)  # this process stops using the key at once
-        return self.submit_admin(self._finish_purge, owner, oid, num_host, everywhere)
-
-    def _finish_purge(self, owner: str | None, oid: str, num_host: int, everywhere: bool) -> dict[str, Any]:
-        settled = False
-        try:
-            self.fence.wait_quiet(oid)  # stores and loads that began before the fence
-            counts: dict[str, Any] = {}
-            host = self.tiers.get("host")
-            if host is not None:  # again: promotions of loads that were in flight
-                counts["host"] = num_host + host.purge_where(lambda e: e[1] == owner)
-            disk = self.tiers.get("disk")
-            if disk is not None:
-                counts["disk"] = disk.purge(disk.owner_keys(oid))
-                disk.forget_owner(oid)
-            pending: list[str] = []
-            if everywhere:
-                if "remote" in self.tiers:
-                    try:
-                        counts["remote"] = self._purge_remote(oid)
-                    except TierError as e:
-                        logger.warning("purge of tenant %s: remote tier not purged (%s); pending", oid, e)
-                        counts["remote"] = None
-                        pending.append("remote")
-                if self.keys is not None and not hasattr(self.keys, "check"):
-                    counts["key_destroyed"] = int(self.keys.destroy(owner or DEFAULT_OWNER))
-                elif self.keys is not None:
-                    counts["key_destroyed"] = 0 if pending else 1
-            counts["pending"] = pending
-            self._settle(oid, pending)
-            settled = True
-            return counts
-        finally:
-            if not settled:
-                self.fence.end(oid)
-
-    def _settle(self, oid: str, pending: list[str]) -> None:
-        """After a purge attempt: record or clear `oid`'s pending part, and lift the fence
-        once nothing is pending (the ledger's hold keeps it up until then)."""
-        if pending:
-            self.ledger.add(oid, pending)
-            if oid in self._held:
-                self.fence.end(oid)
-            else:
-                self._held.add(oid)
-            return
-        self.ledger.done(oid)
-        self.fence.end(oid)
-        if oid in self._held:
-            self._held.discard(oid)
-            self.fence.end(oid)
-
-    def _purge_remote(self, oid: str) -> int:
-        """Delete `oid`'s Redis entries (ALL: every entry of this model configuration), its
-        owner set and, with fleet keys, its wrapped data key. Raises TierError."""
-        remote = self.tiers["remote"]
-        if oid == ALL:
-            n = remote.call("purge", remote._clear)
-            if hasattr(self.keys, "check"):
-                self.keys.destroy_all()
-            return n
-        n = unlink_remote(remote, remote.owner_keys(oid, strict=True))
-        remote.forget_owner(oid, strict=True)
-        if hasattr(self.keys, "check"):
-            self.keys.destroy_oid(oid)
-        return n
+        """TenantAdmin.begin_purge: fence `owner` and drop its host entries now, the rest on
+        the admin worker."""
+        return self.tenants.begin_purge(owner, everywhere)
 
     def retry_pending_purges(self, wait_gate_s: float = 5.0) -> dict[str, list[str]]:
-        """Finish the pending purges whose tiers answer now (admin worker). A tier in back-off
-        is waited for (at most `wait_gate_s`) so that a caller retrying right after the
-        backend returned gets its answer. Returns what is still pending per owner id."""
-        remote = self.tiers.get("remote")
-        for oid in self.ledger.pending():
-            if remote is not None and not remote.healthy:
-                time.sleep(min(remote.health.retry_in_s, wait_gate_s))
-            try:
-                if remote is not None:
-                    self._purge_remote(oid)
-            except TierError as e:
-                logger.info("pending purge of %s still pending: %s", oid, e)
-                continue
-            self.fence.begin(oid)
-            self._settle(oid, [])
-        return {oid: rec["tiers"] for oid, rec in self.ledger.pending().items()}
+        """TenantAdmin.retry_pending_purges (admin worker)."""
+        return self.tenants.retry_pending_purges(wait_gate_s)
 
     def pending_purges(self) -> dict[str, list[str]]:
         """{owner id: tiers} of purges not finished yet."""
-        return {oid: rec["tiers"] for oid, rec in self.ledger.pending().items()}
+        return self.tenants.pending_purges()
 
     def purge_all(self) -> dict[str, Any]:
-        """Delete every stored block of this model configuration from every tier and destroy
-        every data key (blocking; the server uses begin_purge_all)."""
-        return self.begin_purge_all().result()
+        """TenantAdmin.purge_all: delete every stored block of every tenant (blocking)."""
+        return self.tenants.purge_all()
 
     def begin_purge_all(self) -> Future:
-        self.fence.begin(ALL)
-        host = self.tiers.get("host")
-        num_host = host.clear() if host is not None else 0
-        return self.submit_admin(self._finish_purge_all, num_host)
-
-    def _finish_purge_all(self, num_host: int) -> dict[str, Any]:
-        settled = False
-        try:
-            self.fence.wait_quiet(ALL)
-            counts: dict[str, Any] = {}
-            for name, tier in self.tiers.items():
-                if name == "host":
-                    counts[name] = num_host + tier.clear()
-                elif name == "disk":
-                    counts[name] = tier.clear()
-            pending: list[str] = []
-            if "remote" in self.tiers:
-                try:
-                    counts["remote"] = self._purge_remote(ALL)
-                except TierError as e:
-                    logger.warning("purge of every tenant: remote tier not purged (%s); pending", e)
-                    counts["remote"] = None
-                    pending.append("remote")
-            if self.keys is not None and not hasattr(self.keys, "check"):
-                counts["keys_destroyed"] = self.keys.destroy_all()
-            counts["pending"] = pending
-            self._settle(ALL, pending)
-            settled = True
-            return counts
-        finally:
-            if not settled:
-                self.fence.end(ALL)
-
-    def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
-        out: dict[str, dict[str, int]] = {}
-        host = self.tiers.get("host")
-        if host is not None:
-            with host._lock:
-                n = sum(1 for v in host._entries.values() if v[1] == owner)
-            out["host"] = {"blocks": n, "bytes": n * self.block_bytes}
-        for name in ("disk", "remote"):
-            tier = self.tiers.get(name)
-            if tier is not None:
-                keys = tier.owner_keys(owner_id(owner))
-                n = tier.contains_count(keys) if hasattr(tier, "contains_count") else len(keys)
-                out[name] = {"blocks": n}
-        return out
+        """TenantAdmin.begin_purge_all."""
+        return self.tenants.begin_purge_all()
 
     # ------------------------------------------------------------------ stats / lifecycle
     def tier_stats(self) -> dict[str, TierStats]:
@@ -795,8 +666,7 @@ class TierHierarchy:
     def close(self) -> None:
         self._closed = True
         self.flush(5.0)
-        if self._admin is not None:
-            self._admin.shutdown(wait=True)
+        self.tenants.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         for tier in self.tiers.values():
             if hasattr(tier, "close") and tier.name != "host":

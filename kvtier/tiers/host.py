@@ -1,21 +1,54 @@
 """HostTier: blocks' KV kept as tensors in host memory, LRU within a byte capacity.
 
 Unlike disk and remote, host entries are not framed: a restore is one copy into the device
-pool, which is what makes this tier worth having. Entries are immutable; a caller that got a
-tensor may keep using it after the tier evicts the entry.
+pool, which is what makes this tier worth having. Entries are immutable; a caller that got an
+entry may keep using its tensor after the tier evicts it.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
-from kvtier.tiers.base import FaultConfig, TierCounters
+from kvtier.tiers.base import FaultConfig, InjectedError, TierCounters
+from kvtier.tiers.lru import ByteLRU
+from kvtier.tiers.purge import Stamp
+
+
+@dataclass(slots=True)
+class HostEntry:
+    """What the host tier holds for one block (made by the hierarchy, never changed)."""
+
+    kv: Any
+    """The block's KV: a tensor (the simulator's: a marker)."""
+    owner: str | None
+    """The tenant whose request computed it (None: no named tenant)."""
+    stored_at: float
+    """time.monotonic() when it was stored: tenant TTLs expire it from here."""
+    stamp: Stamp
+    """Its owner's purge-fence stamp when it was made (purge.OwnerFence): a load or a
+    write-back demotion of an entry stamped before a purge of its owner uses nothing of it."""
 
 
 class HostTier(TierCounters):
+    """Host-memory entries (HostEntry) under block keys, least recently used first out once
+    their sizes pass `capacity_bytes`.
+
+    Thread-safety: every method may be called from any thread. `_lock` guards the entries
+    (the LRU) and is held only for in-memory bookkeeping, never while calling out; the
+    counters have their own lock (TierCounters._stats_lock, a leaf), so counting never needs
+    `_lock` and cannot deadlock on it. Callbacks (`on_evict`, `watch`) and `purge_where`'s
+    predicate run without `_lock`, so they may call back into the tier. `contains_prefix`,
+    `__contains__` and `__len__` read the entries without the lock (single dict look-ups).
+    Only injected faults (FaultConfig) make an operation block.
+
+    Failures: nothing here touches a backend. An injected fault (InjectedError) makes `get` a
+    miss and `put` a dropped write, counted in `stats.errors["injected"]`; any other exception
+    is a bug and propagates. A put larger than the capacity is refused (False)."""
+
     name = "host"
 
     def __init__(
@@ -23,16 +56,15 @@ class HostTier(TierCounters):
         capacity_bytes: int,
         *,
         faults: FaultConfig | None = None,
-        on_evict: Callable[[bytes, object], None] | None = None,
+        on_evict: Callable[[bytes, HostEntry], None] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"host_cache_bytes must be positive, got {capacity_bytes}")
+        super().__init__(faults)
         self._capacity = capacity_bytes
-        self._entries: OrderedDict[bytes, object] = OrderedDict()
-        self._sizes: dict[bytes, int] = {}
-        self._usage = 0
+        self._lru: ByteLRU[bytes, HostEntry] = ByteLRU()
         self._lock = threading.Lock()
-        super().__init__(faults, stats_lock=self._lock)  # one lock for entries and counters
+        """Guards `_lru`; never held while calling out or counting."""
         self.on_evict = on_evict
         """Called (outside the lock) with each entry pushed out by capacity: write-back demotion."""
         self.watch: Callable[[bytes, bool], None] | None = None
@@ -47,58 +79,55 @@ class HostTier(TierCounters):
 
     @property
     def usage_bytes(self) -> int:
-        return self._usage
+        return self._lru.usage_bytes
 
     @property
     def healthy(self) -> bool:
         return True
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._entries
+        return key in self._lru
 
     # ------------------------------------------------------------------ operations
     def contains_prefix(self, keys: list[bytes], count: bool = True) -> int:
-        n = 0
-        entries = self._entries
-        for key in keys:
-            if key not in entries:
-                break
-            n += 1
+        """How many LEADING keys are present (`count=False`: not a prefix-cache query, left
+        out of the lookup counters)."""
+        n = self._lru.count_prefix(keys)
         if count:
-            with self._lock:
+            with self._stats_lock:
                 self._stats.lookups += len(keys)
                 self._stats.lookup_hits += n
         return n
 
-    def get(self, key: bytes):
-        """The stored tensor, or None. Injected faults make it a miss (counted as an error)."""
+    def get(self, key: bytes) -> HostEntry | None:
+        """The stored entry (now the most recent), or None. An injected fault makes it a miss
+        (counted as an error)."""
         t0 = time.perf_counter()
         try:
             self._faults.before_op()
-        except Exception:
+        except InjectedError:
             self._count_error("injected")
             return None
         with self._lock:
-            kv = self._entries.get(key)
-            if kv is not None:
-                self._entries.move_to_end(key)
-            size = self._sizes.get(key, 0)
-        if kv is not None:
-            self._faults.transfer(size)
-        with self._lock:
+            found = self._lru.touch(key)
+        if found is not None:
+            self._faults.transfer(found.nbytes)
+        with self._stats_lock:
             s = self._stats
             s.queries += 1
-            s.hits += kv is not None
-            s.bytes_read += size if kv is not None else 0
+            if found is not None:
+                s.hits += 1
+                s.bytes_read += found.nbytes
             s.read_s += time.perf_counter() - t0
-        return kv
+        return None if found is None else found.value
 
-    def put(self, key: bytes, kv, nbytes: int) -> bool:
-        """Store `kv` as the most recent entry, evicting least recent ones until it fits (each
-        goes to `on_evict`). False when `nbytes` exceeds the capacity or a fault is injected."""
+    def put(self, key: bytes, entry: HostEntry, nbytes: int) -> bool:
+        """Store `entry` as the most recent one (replacing any under `key`), evicting least
+        recent ones until it fits (each goes to `on_evict`). False when `nbytes` exceeds the
+        capacity or a fault is injected."""
         if nbytes > self._capacity:
             return False
         t0 = time.perf_counter()
@@ -106,82 +135,87 @@ class HostTier(TierCounters):
             try:
                 self._faults.before_op()
                 self._faults.transfer(nbytes)
-            except Exception:
+            except InjectedError:
                 self._count_error("injected")
                 return False
-        evicted: list[tuple[bytes, object]] = []
         with self._lock:
-            old = self._sizes.pop(key, None)
-            if old is not None:
-                self._usage -= old
-                del self._entries[key]
-            while self._usage + nbytes > self._capacity and self._entries:
-                k, v = self._entries.popitem(last=False)
-                self._usage -= self._sizes.pop(k)
-                self._stats.evictions += 1
-                evicted.append((k, v))
-            self._entries[key] = kv
-            self._sizes[key] = nbytes
-            self._usage += nbytes
-            self._stats.puts += 1
-            self._stats.bytes_written += nbytes
-            self._stats.write_s += time.perf_counter() - t0
+            self._lru.pop(key)
+            evicted = self._lru.evict_to(self._capacity - nbytes)
+            self._lru.insert(key, entry, nbytes)
+        with self._stats_lock:
+            s = self._stats
+            s.evictions += len(evicted)
+            s.puts += 1
+            s.bytes_written += nbytes
+            s.write_s += time.perf_counter() - t0
         if self.watch is not None:
-            for k, _ in evicted:
-                self.watch(k, False)
+            for gone in evicted:
+                self.watch(gone.key, False)
             self.watch(key, True)
         if self.on_evict is not None:
-            for k, v in evicted:
-                self.on_evict(k, v)
+            for gone in evicted:
+                self.on_evict(gone.key, gone.value)
         return True
 
-    def touch(self, keys) -> None:
+    def touch(self, keys: Iterable[bytes]) -> None:
         """Mark entries used, in the given order (the last one becomes the most recent)."""
         with self._lock:
             for key in keys:
-                if key in self._entries:
-                    self._entries.move_to_end(key)
+                self._lru.touch(key)
 
-    def delete(self, key: bytes, *, only_if: object | None = None) -> bool:
-        """Remove an entry; with `only_if`, only while that object is still the stored value."""
+    def delete(self, key: bytes, *, only_if: HostEntry | None = None) -> bool:
+        """Remove an entry; with `only_if`, only while that object is still the stored entry."""
         with self._lock:
-            if key not in self._sizes or (only_if is not None and self._entries[key] is not only_if):
+            found = self._lru.peek(key)
+            if found is None or (only_if is not None and found.value is not only_if):
                 return False
-            size = self._sizes.pop(key)
-            del self._entries[key]
-            self._usage -= size
-            self._stats.deletes += 1
+            self._lru.pop(key)
+        self._count(deletes=1)
         if self.watch is not None:
             self.watch(key, False)
         return True
 
-    def purge_where(self, predicate) -> int:
-        """Delete every entry whose stored value satisfies `predicate`; returns how many.
-        `predicate` runs outside the lock, on a snapshot of the entries, so it may be slow or
-        call back into the tier; an entry replaced meanwhile is kept (it was not judged)."""
+    def purge_where(self, predicate: Callable[[HostEntry], bool]) -> int:
+        """Delete every entry that satisfies `predicate`; returns how many. `predicate` runs
+        outside the lock, on a snapshot of the entries, so it may be slow or call back into the
+        tier; an entry replaced meanwhile is kept (it was not judged)."""
         with self._lock:
-            entries = list(self._entries.items())
-        return sum(self.delete(k, only_if=v) for k, v in entries if predicate(v))
+            snapshot = [(e.key, e.value) for e in self._lru.entries()]
+        return sum(self.delete(k, only_if=v) for k, v in snapshot if predicate(v))
 
-    def purge(self, keys) -> int:
+    def purge(self, keys: Iterable[bytes]) -> int:
         return sum(self.delete(k) for k in keys)
 
-    def keys(self) -> Iterator[bytes]:
+    # ------------------------------------------------------------------ tenants
+    def owner_keys(self, owner: str | None) -> list[bytes]:
+        """The keys of `owner`'s entries (the tenant's name, not its owner id), least recent
+        first."""
         with self._lock:
-            return iter(list(self._entries))
+            return [e.key for e in self._lru.entries() if e.value.owner == owner]
+
+    def purge_owner(self, owner: str | None) -> int:
+        """Delete every entry of `owner`; returns how many."""
+        return self.purge_where(lambda e: e.owner == owner)
+
+    def expire_owner(self, owner: str | None, ttl_s: float) -> int:
+        """Delete `owner`'s entries stored more than `ttl_s` ago; returns how many."""
+        cutoff = time.monotonic() - ttl_s
+        return self.purge_where(lambda e: e.owner == owner and e.stored_at < cutoff)
+
+    # ------------------------------------------------------------------ whole tier
+    def keys(self) -> Iterator[bytes]:
+        """A snapshot of the keys, least recent first."""
+        with self._lock:
+            return iter(list(self._lru))
 
     def clear(self) -> int:
         with self._lock:
-            gone = list(self._entries) if self.watch is not None else []
-            n = len(self._entries)
-            self._entries.clear()
-            self._sizes.clear()
-            self._usage = 0
-            self._stats.deletes += n
+            gone = self._lru.clear()
+        self._count(deletes=len(gone))
         if self.watch is not None:
-            for key in gone:
-                self.watch(key, False)
-        return n
+            for entry in gone:
+                self.watch(entry.key, False)
+        return len(gone)
 
     def close(self) -> None:
         self.clear()

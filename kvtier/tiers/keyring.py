@@ -69,11 +69,11 @@ class FleetCipher:
         self.key_id = key_id
         self._aead = AESGCM(key)
 
-    def encrypt(self, plaintext: bytes, aad: bytes) -> bytes:
+    def encrypt(self, plaintext: bytes | memoryview, aad: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
         return self.key_id + nonce + self._aead.encrypt(nonce, bytes(plaintext), bytes(aad))
 
-    def decrypt(self, ciphertext: bytes, aad: bytes) -> bytes:
+    def decrypt(self, ciphertext: bytes | memoryview, aad: bytes) -> bytes:
         data = bytes(ciphertext)
         if data[:KEY_ID_BYTES] != self.key_id:
             raise ValueError("made with another data key (destroyed or replaced)")
@@ -169,9 +169,10 @@ class FleetKeyring:
             key_id, key = os.urandom(KEY_ID_BYTES), os.urandom(KEY_BYTES)
             blob = self._wrap(name, key_id, key)
             if not self.remote.call("keyring_set", lambda: self.remote._redis().set(name, blob, nx=True)):
-                blob = self._get(name)  # another instance won the race: use its key
-                if blob is None:
+                theirs = self._get(name)  # another instance won the race: use its key
+                if theirs is None:
                     raise KeyringError("the tenant's data key was destroyed while it was being created")
+                blob = theirs
             c = self._unwrap(name, blob)
         except TierError as e:
             if hit is not None:

@@ -1,5 +1,5 @@
-"""What a tenant purge needs beside the tiers: a fence around in-flight I/O, a durable record of
-purges that could not finish, and batched Redis deletes.
+"""What a tenant purge needs beside the tiers: a fence around in-flight I/O and a durable record
+of purges that could not finish (the purge itself: tenants.TenantAdmin).
 
     engine thread                         admin worker                    I/O workers
     -------------                         ------------                    -----------
@@ -30,8 +30,6 @@ from typing import Any
 
 ALL = "*"
 """The owner id of a purge of every tenant."""
-REMOTE_BATCH = 512
-"""Keys per pipelined UNLINK."""
 
 Stamp = tuple[int, int]
 
@@ -144,27 +142,6 @@ class PurgeLedger:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-
-
-def unlink_remote(tier: Any, keys: list[bytes]) -> int:
-    """Delete `keys` from a RemoteTier with pipelined UNLINKs of REMOTE_BATCH keys (one round
-    trip each), through the tier's gate; returns how many existed. Raises TierError."""
-    removed = 0
-    for start in range(0, len(keys), REMOTE_BATCH):
-        chunk = keys[start : start + REMOTE_BATCH]
-
-        def op(chunk: list[bytes] = chunk) -> int:
-            pipe = tier._pipeline()
-            for key in chunk:
-                pipe.unlink(tier._name(key))  # one key per command: valid across cluster slots
-            return sum(pipe.execute())
-
-        n = tier.call("purge", op)
-        for key in chunk:
-            tier._account(key, 0, None)
-        tier._count(deletes=n)
-        removed += n
-    return removed
 
 
 # ---------------------------------------------------------------------------------------------

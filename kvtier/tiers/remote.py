@@ -50,6 +50,7 @@ import ssl
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -92,12 +93,13 @@ _URL_OPTIONS = _TLS_OPTIONS | {
     "protocol",
 }
 _BATCH = 512
+"""Keys per SCAN page and per UNLINK pipeline (clear, unlink) and per EXISTS pipeline (resync)."""
 _PREFIX_LUA = """
 for i, name in ipairs(KEYS) do
     if redis.call('EXISTS', name) == 0 then return i - 1 end
 end
 return #KEYS
-"""  # keys per SCAN page and per UNLINK pipeline in clear()
+"""
 
 
 def _glob_escape(text: str) -> str:
@@ -141,7 +143,35 @@ def _scripting_refused(exc: redis.ResponseError) -> bool:
     )
 
 
+@dataclass(slots=True)
+class _Written:
+    """What this instance accounts for one entry it wrote (usage_bytes)."""
+
+    nbytes: int
+    expiry: float | None
+    """time.monotonic() when the server drops it (None: no TTL)."""
+
+
 class RemoteTier(Tier):
+    """Codec frames in a Redis / Valkey server or cluster that several processes share (the
+    naming, URLs and recovery: the module doc).
+
+    Stores: nothing of the entries locally; the server holds them (with their TTL) and
+    per-tenant owner sets. Locally only a client and the sizes of the entries this instance
+    wrote (`usage_bytes`, approximate).
+
+    Thread-safety: every method may be called from any thread; redis-py's connection pool
+    serves concurrent callers. `_client_lock` guards (re)building the client, `_sizes_lock`
+    the accounted sizes; neither is held during a round trip. Every operation may block on
+    the network, up to `timeout_s` per command (plus one immediate retry of a connection
+    error), and on injected faults.
+
+    Failures: as every Tier (base.py): timeouts, connection, TLS, cluster and server errors
+    are counted by kind, trip the health gate and degrade to a miss or a dropped write. The
+    purge helpers (`owner_keys` / `forget_owner` with `strict`, `unlink`, `clear(strict=True)`)
+    raise TierError instead, so that a purge that could not reach the server is recorded as
+    pending rather than taken as done."""
+
     def __init__(
         self,
         url: str,
@@ -175,12 +205,12 @@ class RemoteTier(Tier):
             self._cluster_startup()  # a bad URL fails here, not in a worker thread
         self._client: Any = None if self.cluster else self._make_client()  # cluster: lazily
         # standalone servers answer contains_prefix with one script call, stopping at the first
-        # miss: 3x faster than 128 pipelined EXISTS (redis-py reloads it after a server restart).
-        # A cluster cannot run it: the keys live in different slots.
-        self._prefix_script = None if self.cluster else self._client.register_script(_PREFIX_LUA)
+        # miss, instead of one pipelined EXISTS per key (redis-py reloads it after a server
+        # restart). A cluster cannot run it: the keys live in different slots.
+        self._prefix_script = None if self._client is None else self._client.register_script(_PREFIX_LUA)
         # usage_bytes bookkeeping (see usage_bytes)
         self._sizes_lock = threading.Lock()
-        self._sizes: dict[bytes, tuple[int, float | None]] = {}  # key -> (bytes, expiry)
+        self._sizes: dict[bytes, _Written] = {}
         self._expiries: list[tuple[float, bytes]] = []  # heap
         self._usage_bytes = 0
 
@@ -370,6 +400,35 @@ class RemoteTier(Tier):
             if strict:
                 raise
 
+    def unlink(self, keys: list[bytes]) -> int:
+        """Delete `keys` with pipelined UNLINKs, one round trip per batch of keys, through the
+        gate (a purge's bulk delete); returns how many existed. Raises TierError: batches
+        before the failing one stay deleted (and counted)."""
+        removed = 0
+        for start in range(0, len(keys), _BATCH):
+            chunk = keys[start : start + _BATCH]
+
+            def op(chunk: list[bytes] = chunk) -> int:
+                pipe = self._pipeline()
+                for key in chunk:
+                    pipe.unlink(self._name(key))  # one key per command: valid across cluster slots
+                return sum(pipe.execute())
+
+            n = self.call("purge", op)
+            for key in chunk:
+                self._account(key, 0, None)
+            self._count(deletes=n)
+            removed += n
+        return removed
+
+    def clear(self, strict: bool = False) -> int:
+        """Delete every entry of this tier's fingerprint; returns how many were removed.
+        `strict`: raise TierError when the server cannot be asked (a purge of every tenant),
+        instead of answering 0."""
+        if not strict:
+            return super().clear()
+        return self.call("purge", self._clear)
+
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         pipe = self._pipeline()  # GET per key: valid across cluster slots
         for key in keys:
@@ -433,7 +492,7 @@ class RemoteTier(Tier):
         """Forget the accounted sizes of keys the server no longer holds (see module doc)."""
         with self._sizes_lock:
             snapshot = list(self._sizes.items())
-        missing: list[tuple[bytes, tuple[int, float | None]]] = []
+        missing: list[tuple[bytes, _Written]] = []
         for start in range(0, len(snapshot), _BATCH):
             batch = snapshot[start : start + _BATCH]
             pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
@@ -444,7 +503,7 @@ class RemoteTier(Tier):
             for key, entry in missing:
                 if self._sizes.get(key) is entry:  # not rewritten meanwhile
                     del self._sizes[key]
-                    self._usage_bytes -= entry[0]
+                    self._usage_bytes -= entry.nbytes
         if missing:
             logger.info(
                 "remote tier %s: %d accounted entries are gone from the server; usage resynced", self.name, len(missing)
@@ -456,9 +515,9 @@ class RemoteTier(Tier):
         with self._sizes_lock:
             old = self._sizes.pop(key, None)
             if old is not None:
-                self._usage_bytes -= old[0]
+                self._usage_bytes -= old.nbytes
             if nbytes:
-                self._sizes[key] = (nbytes, expiry)
+                self._sizes[key] = _Written(nbytes, expiry)
                 self._usage_bytes += nbytes
                 if expiry is not None:
                     heapq.heappush(self._expiries, (expiry, key))
@@ -468,9 +527,9 @@ class RemoteTier(Tier):
         while self._expiries and self._expiries[0][0] <= now:
             expiry, key = heapq.heappop(self._expiries)
             entry = self._sizes.get(key)
-            if entry is not None and entry[1] == expiry:
+            if entry is not None and entry.expiry == expiry:
                 del self._sizes[key]
-                self._usage_bytes -= entry[0]
+                self._usage_bytes -= entry.nbytes
 
     @property
     def usage_bytes(self) -> int:

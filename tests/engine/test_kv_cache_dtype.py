@@ -81,7 +81,7 @@ def test_device_hit_and_host_restore_give_the_tokens_of_no_cache(model_dir, name
     # the host tier holds the packed quantized blocks: data + scales, about half of bfloat16
     runner = llm.engine.runner
     host = llm.engine.tiers.tiers["host"]
-    kv = host.get(next(iter(host.keys())))[0]  # the entry: (kv, owner, stored at, purge stamp)
+    kv = host.get(next(iter(host.keys()))).kv  # the entry: a HostEntry
     assert kv.numel() * kv.element_size() == runner.kv_bytes_per_block
     assert runner.kv_bytes_per_block == runner.kv_data_bytes_per_block + runner.kv_scale_bytes_per_block
     done(llm)

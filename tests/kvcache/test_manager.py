@@ -129,9 +129,9 @@ def test_matched_prefix_survives_the_allocation_that_evicts_its_sibling() -> Non
     u = [1, 2, 3, 4] + [50] * 12  # hits block 0 only, needs 3 more blocks
     match = m.match(u, ROOT)
     assert match.block_ids == [0] and match.partial_src is None
-    assert m.can_admit(match, len(u))
+    assert m.num_free_blocks == 4  # 2 empty + 2 evictable: exactly the 3 new blocks + the hit
     assert m.allocate_new("b", u, ROOT, match, 12)
-    assert m.block_ids("b") == [0, 3, 2, 1]
+    assert m.block_ids("b") == [0, 3, 2, 1] and m.num_free_blocks == 0
     assert len(m.index) == 1 and m.pool.num_evicted_blocks == 1
     m.check_integrity()
 
@@ -144,15 +144,13 @@ def test_allocate_new_and_allocate_more_fail_without_changing_state() -> None:
     m.free("a")  # 2 empty blocks + 2 cached evictable ones
     u = t[:8] + list(range(20, 29))  # 17 tokens: 2 cached blocks + 3 new: one too many
     match = m.match(u, ROOT)
-    assert match.block_ids == [0, 1]
-    assert not m.can_admit(match, 17)
+    assert match.block_ids == [0, 1] and m.num_free_blocks == 4
     before = snapshot(m)
-    assert not m.allocate_new("b", u, ROOT, match, 9)
+    assert not m.allocate_new("b", u, ROOT, match, 9)  # 3 new + the 2 hits (evictable now) > 4
     assert snapshot(m) == before and not m.has_request("b")
     m.check_integrity()
 
-    assert m.can_admit(match, 16)  # matched evictable blocks count as taken
-    assert m.allocate_new("b", u[:16], ROOT, match, 8)
+    assert m.allocate_new("b", u[:16], ROOT, match, 8)  # 2 new + the 2 hits: matched evictable blocks count
     assert m.block_ids("b") == [0, 1, 3, 2] and m.num_free_blocks == 0
     before = snapshot(m)
     assert not m.allocate_more("b", 17)

@@ -326,7 +326,13 @@ class ManagerMachine(RuleBasedStateMachine):
         match = self.check_match(tokens, root)
         n = match.num_cached_tokens(bs)
         rid = self.new_id()
-        can = m.can_admit(match, len(tokens))
+        # the oracle: admission takes the new blocks and references the matched ones, so a
+        # matched block that is evictable now stops counting as free too
+        evictable = m.index.is_evictable
+        need = cdiv(len(tokens), bs) - len(match.block_ids) + sum(evictable(k) for k in match.keys)
+        if match.partial_src is not None:
+            need += evictable(m.pool.blocks[match.partial_src].key)
+        can = need <= m.num_free_blocks
         before = self.snapshot()
         ok = m.allocate_new(rid, tokens, root, match, len(tokens) - n)
         assert ok == can

@@ -87,7 +87,7 @@ def test_restore_admits_into_loading_then_runs_from_the_restored_blocks():
     out = s.schedule()
     assert [len(x.token_ids) for x in out.seqs] == [1]  # only the last prompt token is computed
     assert r.num_cached_tokens == 16 and r.cached_by_tier == {"device": 0, "host": 16}
-    assert [b[0] for b in out.block_loads] == ["a"] * 4  # the runner writes them before the forward
+    assert [b.req_id for b in out.block_loads] == ["a"] * 4  # the runner writes them before the forward
     s.update_from_output(out, {"a": 7})
     run(s)
     assert s.num_failed_loads == 0

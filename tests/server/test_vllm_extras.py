@@ -282,6 +282,11 @@ def test_echo_loglikelihood_as_lm_eval_sends_it(vserver, llm):
     r = _post(vserver, "/v1/completions", {"prompt": context, "max_tokens": 1, "prompt_logprobs": 0})
     plp = r.json()["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == len(llm.tokenizer.encode(context))
+    # each entry carries its rank across the engine process's wire, as the offline engine gives it
+    ctx_ids = llm.tokenizer.encode(context)
+    ref_ctx = llm.generate({"prompt_token_ids": ctx_ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    for i, t in enumerate(ctx_ids[1:], 1):
+        assert plp[i][str(t)]["rank"] == ref_ctx.prompt_logprobs[i][t].rank >= 1
     # echo with a stream is refused, not ignored
     r = _post(vserver, "/v1/completions", {"prompt": context, "max_tokens": 1, "echo": True, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"

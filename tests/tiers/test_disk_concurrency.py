@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.host import HostTier
+from kvtier.tiers.host import HostEntry, HostTier
 
 from .conftest import FINGERPRINT, make_keys
 
@@ -32,8 +32,7 @@ def files_on_disk(tier: DiskTier) -> dict[str, int]:
 def assert_index_matches_files(tier: DiskTier) -> None:
     """Every indexed key has a file of the indexed size, no other frame or temp file exists, and
     a tier rebuilt from the files finds the same entries."""
-    with tier._lock:
-        index = dict(tier._index)
+    index = tier.entry_sizes()
     on_disk = files_on_disk(tier)
     assert on_disk == {f"{k.hex()}.kv": size for k, size in index.items()}
     assert tier.usage_bytes == sum(index.values()) <= tier.capacity_bytes
@@ -295,14 +294,14 @@ def test_host_tier_calls_out_without_its_lock() -> None:
     host = HostTier(3, on_evict=lambda k, v: calls.append(("on_evict", host._lock.locked())))
     keys = make_keys(5)
     for i, key in enumerate(keys):
-        assert host.put(key, ("kv", i), 1)
+        assert host.put(key, HostEntry(i, None, 0.0, (0, 0)), 1)
 
-    def predicate(value: tuple[str, int]) -> bool:
+    def predicate(entry: HostEntry) -> bool:
         locked = host._lock.locked()
         calls.append(("predicate", locked))
         if not locked:  # (with the lock held, calling back in would deadlock)
             assert host.contains_prefix(keys[2:3]) == 1
-        return value[1] == 3
+        return entry.kv == 3
 
     assert host.purge_where(predicate) == 1
     assert [name for name, _ in calls] == ["on_evict", "on_evict", "predicate", "predicate", "predicate"]
