@@ -33,6 +33,7 @@ import workloads as W  # noqa: E402
 WORKLOADS = [
     "cold_prefill",
     "warm_ttft",
+    "warm_batch",
     "throughput",
     "throughput_32x512",
     "throughput_64x512",
@@ -112,6 +113,20 @@ def kvtier_worker(workload: str, model_dir: str, repeats: int) -> dict:
             "all": times,
             "cached_tokens": cached,
         }
+    if workload == "warm_batch":
+        llm = _kvtier_llm(model_dir)
+        _timed(llm, W.tokens(99, 2048))
+        times, cached = [], []
+        sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        for r in range(repeats):
+            spec = W.warm_batch(seed=r)
+            _timed(llm, spec["warmup"])
+            t = time.perf_counter()
+            outs = llm.generate(spec["prompts"], sp)
+            times.append(time.perf_counter() - t)
+            cached.append(sum(o.num_cached_tokens for o in outs))
+        llm.check_integrity()
+        return {"seconds": statistics.median(times), "all": times, "cached_tokens": cached}
     if workload == "long_context":
         spec = W.long_context()
         llm = _kvtier_llm(model_dir)
@@ -295,6 +310,7 @@ def _vllm_kv_bytes(model_dir: str, workload: str) -> int:
 METRICS = [
     ("cold_prefill", "seconds", False),
     ("warm_ttft", "seconds", False),
+    ("warm_batch", "seconds", False),
     ("throughput", "tok_per_s", True),
     ("throughput_32x512", "tok_per_s", True),
     ("throughput_64x512", "tok_per_s", True),
@@ -393,7 +409,7 @@ def main() -> None:
             for eng, env in runs:
                 if eng != "kvtier" and wl == "bookkeeping":
                     continue
-                if eng == "transformers" and wl in ("warm_ttft", "pressure", *LONG_WORKLOADS):
+                if eng == "transformers" and wl in ("warm_ttft", "warm_batch", "pressure", *LONG_WORKLOADS):
                     continue
                 with corunner.running(cores):
                     res = run_worker(eng.split("[")[0], wl, model_dir, args.repeats, args.vllm_python, env)

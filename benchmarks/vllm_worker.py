@@ -35,6 +35,7 @@ import workloads as W  # noqa: E402  (pure Python, no torch)
 WORKLOADS = [
     "cold_prefill",
     "warm_ttft",
+    "warm_batch",
     "throughput",
     "throughput_32x512",
     "throughput_64x512",
@@ -147,6 +148,16 @@ def run(args) -> dict:
             "new_tokens": new,
             "cached_tokens": cached,
         }
+    elif wl == "warm_batch":
+        timed([W.tokens(99, 2048)], 1)  # one-time setup
+        times, cached = [], []
+        for r in range(R):
+            spec = W.warm_batch(seed=r)
+            timed([spec["warmup"]], 1)  # the shared prefix into the cache
+            t, outs = timed(spec["prompts"], spec["max_tokens"])
+            times.append(t)
+            cached.append(sum(o.num_cached_tokens for o in outs))
+        res = {"seconds": statistics.median(times), "all": times, "cached_tokens": cached}
     elif wl == "long_context":
         spec = W.long_context()
         timed([W.tokens(99, 2048)], 1)  # one-time setup

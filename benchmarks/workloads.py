@@ -30,6 +30,19 @@ def warm_ttft(prefix_len: int = 2048, new_tokens: int = 4) -> dict:
     return {"warmup": prefix, "prompt": prefix + tokens(3, new_tokens), "max_tokens": 1}
 
 
+def warm_batch(num_requests: int = 8, prefix_len: int = 512, new_tokens: int = 128, seed: int = 0) -> dict:
+    """A wave of requests sharing one cached prefix, each with its own new tokens, prefilled together
+    (max_tokens=1): what a server at concurrency 8 does when a wave of requests arrives, as in vLLM's
+    serving benchmark with --random-prefix-len 512 --random-input-len 128. The prefix is served
+    once first; repeat `seed` uses its own prefix."""
+    prefix = tokens(8000 + seed, prefix_len)
+    return {
+        "warmup": prefix,
+        "prompts": [prefix + tokens(9000 + 100 * seed + i, new_tokens) for i in range(num_requests)],
+        "max_tokens": 1,
+    }
+
+
 def throughput(num_requests: int = 16, prompt_len: int = 256, max_tokens: int = 128) -> dict:
     """Distinct prompts (no sharing), fixed output length (ignore_eos): output tokens / s."""
     return {"prompts": [tokens(1000 + i, prompt_len) for i in range(num_requests)], "max_tokens": max_tokens}

@@ -2,19 +2,22 @@
 
 Every block is in exactly one of these states:
 
-    free       ref_cnt == 0, no key        in `_free` (FIFO, O(1))
+    free       ref_cnt == 0, no key        in `_free` (a heap: lowest id first, O(log n))
     in use     ref_cnt  > 0                owned by one or more requests
     cached     ref_cnt == 0, has a key     evictable; still hittable until the index evicts it
     pinned     ref_cnt == 0, has a key     a cached ancestor of an in-use cached block: hittable,
                                            not evictable, counted as used (rare; prefix_index.py)
 
 Allocation takes free blocks first and only then asks the index to evict a cached one, so a
-cached prefix survives as long as empty blocks remain.
+cached prefix survives as long as empty blocks remain. Free blocks are handed out lowest id
+first, so that a request's blocks lie in ascending, mostly adjacent order in the pool even after
+evictions and resets have returned blocks in any order: the decode kernel streams adjacent
+blocks at memory speed and pays a prefetch on every jump (benchmarks/block_layout.py).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +58,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap; sorted is a valid heap
         self.index = index
         self.num_evicted_blocks = 0
         self.eviction_log: list[BlockToStore] | None = None
@@ -84,7 +87,7 @@ class BlockPool:
         out: list[int] = []
         for _ in range(num):
             if self._free:
-                block = self.blocks[self._free.popleft()]
+                block = self.blocks[heapq.heappop(self._free)]
             else:
                 node = self.index.evict_one() if self.index is not None else None
                 if node is None:  # cannot happen: every evictable subtree has an evictable leaf
@@ -121,7 +124,7 @@ class BlockPool:
                 assert self.index is not None  # only the index sets a block's key
                 self.index.set_evictable(block.key)
             else:
-                self._free.append(block_id)
+                heapq.heappush(self._free, block_id)
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Free a request's blocks last-first, so that its tail is evicted before its head."""
@@ -154,7 +157,7 @@ class BlockPool:
             return False
         block = self.blocks[node.block_id]
         block.key = None
-        self._free.append(block.block_id)
+        heapq.heappush(self._free, block.block_id)
         return True
 
     def evict_all(self) -> int:
@@ -168,7 +171,7 @@ class BlockPool:
             if self.eviction_log is not None:
                 self.eviction_log.append(BlockToStore(block.block_id, node.key, node.owner))
             block.key = None
-            self._free.append(block.block_id)
+            heapq.heappush(self._free, block.block_id)
             self.num_evicted_blocks += 1
             n += 1
         return n

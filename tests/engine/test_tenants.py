@@ -36,22 +36,22 @@ def test_purge_evicts_the_tenants_unreferenced_blocks_only() -> None:
     m = KVCacheManager(16, BS)
     computed(m, "a1", list(range(1, 10)), "a")  # blocks 0, 1 cached (a chain), 2 partial
     m.free("a1")
-    computed(m, "b1", list(range(20, 29)), "b")  # blocks 3, 4 cached; b1 keeps them
-    computed(m, "a2", list(range(40, 49)), "a")  # blocks 6, 7 cached; a2 keeps them
+    computed(m, "b1", list(range(20, 29)), "b")  # blocks 2, 3 cached (2 was a1's partial); b1 keeps them
+    computed(m, "a2", list(range(40, 49)), "a")  # blocks 5, 6 cached; a2 keeps them
     tenants = EngineTenants(m, None, BLOCK_BYTES, no_store)
     assert tenants.device_usage("a") == {"blocks": 4, "bytes": 4 * BLOCK_BYTES}
-    assert owned(m, "a") == [0, 1, 6, 7] and owned(m, "b") == [3, 4]
+    assert owned(m, "a") == [0, 1, 5, 6] and owned(m, "b") == [2, 3]
 
     counts, future = tenants.begin_purge("a")
     assert future is None
     assert counts == {"device": 2, "device_in_use": 2}  # the chain 0 <- 1 went, leaf first
-    assert owned(m, "a") == [6, 7] and owned(m, "b") == [3, 4]
+    assert owned(m, "a") == [5, 6] and owned(m, "b") == [2, 3]
     assert tenants.usage("a") == {"device": {"blocks": 2, "bytes": 2 * BLOCK_BYTES}}
     m.check_integrity()
 
     m.free("a2")
     assert tenants.purge("a") == {"device": 2, "device_in_use": 0}
-    assert owned(m, "a") == [] and owned(m, "b") == [3, 4]
+    assert owned(m, "a") == [] and owned(m, "b") == [2, 3]
     m.check_integrity()
 
     m.free("b1")

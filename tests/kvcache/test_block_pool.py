@@ -27,15 +27,15 @@ def cache_chain(
     return keys
 
 
-def test_allocate_takes_free_blocks_in_fifo_order_and_free_returns_them_last() -> None:
+def test_allocate_takes_the_lowest_free_ids_so_a_request_gets_ascending_blocks() -> None:
     pool = BlockPool(4, PrefixIndex())
     assert pool.allocate(2) == [0, 1]
     assert refs(pool) == [1, 1, 0, 0]
     assert pool.allocate(1) == [2]
     assert (pool.num_free_blocks, pool.num_used_blocks) == (1, 3)
-    pool.free_blocks([0, 1])  # last-first: 1 then 0
+    pool.free_blocks([0, 1])  # freed in any order, handed out lowest id first
     assert refs(pool) == [0, 0, 1, 0]
-    assert pool.allocate(3) == [3, 1, 0]
+    assert pool.allocate(3) == [0, 1, 3]
     assert refs(pool) == [1, 1, 1, 1]
     assert pool.num_free_blocks == 0 and pool.usage == 1.0
     pool.check_integrity({0: 1, 1: 1, 2: 1, 3: 1})
@@ -199,7 +199,7 @@ def test_a_freed_parent_under_a_used_child_is_pinned_not_free() -> None:
     pool.free_block(1)  # now the whole chain is evictable, leaf first
     assert pool.index.is_evictable(k0) and pool.index.is_evictable(k1) and pool.num_free_blocks == 2
     pool.check_integrity({2: 1})
-    assert pool.allocate(2) == [1, 0]
+    assert pool.allocate(2) == [1, 0]  # no free block left: the index evicts leaf first
     pool.check_integrity({0: 1, 1: 1, 2: 1})
 
 
@@ -211,8 +211,9 @@ def test_duplicate_key_leaves_the_second_block_uncached() -> None:
     assert pool.blocks[1].key is None and pool.index.get(k0).block_id == 0
     assert pool.index.stats.duplicate_inserts == 1
     pool.free_blocks([0, 1])
-    assert pool.allocate(1) == [2]  # block 1 went to the free queue, block 0 stays cached
-    assert pool.allocate(1) == [1]
+    assert pool.allocate(1) == [1]  # block 1 went to the free queue, block 0 stays cached
+    assert pool.allocate(1) == [2]
+    assert pool.index.get(k0).block_id == 0
     pool.check_integrity({1: 1, 2: 1})
 
 
@@ -234,7 +235,7 @@ def test_evict_cached_purges_only_unreferenced_leaves() -> None:
     assert not pool.evict_cached(k0)  # has a child
     assert pool.evict_cached(k1) and pool.evict_cached(k0)
     assert len(pool.index) == 0 and pool.num_free_blocks == 3
-    assert pool.allocate(3) == [2, 1, 0]
+    assert pool.allocate(3) == [0, 1, 2]
     pool.check_integrity({0: 1, 1: 1, 2: 1})
 
 
@@ -243,7 +244,7 @@ def test_pool_without_index() -> None:
     assert pool.allocate(2) == [0, 1]
     assert not pool.cache_block(0, block_key(ROOT, [1, 2]), ROOT, [1, 2], is_first=True)
     pool.free_blocks([0, 1])
-    assert pool.allocate(2) == [1, 0]
+    assert pool.allocate(2) == [0, 1]
     pool.check_integrity({0: 1, 1: 1})
 
 
@@ -255,3 +256,15 @@ def test_check_integrity_catches_wrong_ref_counts_and_lost_blocks() -> None:
     pool.blocks[1].ref_cnt = 0  # lost: unreferenced, uncached, not in the free queue
     with pytest.raises(AssertionError):
         pool.check_integrity({0: 1})
+
+
+def test_blocks_freed_in_any_order_come_back_ascending() -> None:
+    """After evictions and resets return blocks scattered, a new request's table is still
+    ascending (the decode kernel streams adjacent blocks; see BlockPool's module docstring)."""
+    pool = BlockPool(16, PrefixIndex())
+    pool.allocate(16)
+    for b in [9, 3, 15, 0, 7, 12, 1, 4]:
+        pool.free_block(b)
+    assert pool.allocate(5) == [0, 1, 3, 4, 7]
+    assert pool.allocate(3) == [9, 12, 15]
+    pool.check_integrity({b: 1 for b in range(16)})

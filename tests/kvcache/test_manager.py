@@ -62,8 +62,8 @@ def test_admit_cache_free_and_hit() -> None:
     assert (match.block_ids, match.keys, match.partial_src) == ([0, 1], [k0, k1], None)
     assert match.num_cached_tokens(BS) == 8
     assert m.allocate_new("b", T10, ROOT, match, 2)
-    assert m.block_ids("b") == [0, 1, 3]  # the uncached block 2 went to the back of the free queue
-    assert refs(m) == {0: 1, 1: 1, 3: 1}
+    assert m.block_ids("b") == [0, 1, 2]  # the uncached block 2 went back to the free blocks
+    assert refs(m) == {0: 1, 1: 1, 2: 1}
     assert (m.stats.hits_tokens, m.stats.queries_tokens, m.stats.hit_requests) == (8, 20, 1)
     assert [m.index.get(k).hits for k in (k0, k1)] == [1, 1]
     m.check_integrity()
@@ -81,12 +81,12 @@ def test_prompt_diverging_mid_block_copies_the_matching_tokens() -> None:
     assert (match.block_ids, match.partial_src, match.partial_tokens) == ([0], 1, 2)
     assert match.num_cached_tokens(BS) == 6
     assert m.allocate_new("b", u, ROOT, match, 4)
-    assert m.block_ids("b") == [0, 3, 4]
-    assert refs(m) == {0: 1, 1: 1, 3: 1, 4: 1}  # block 1 is locked for the copy
+    assert m.block_ids("b") == [0, 2, 3]
+    assert refs(m) == {0: 1, 1: 1, 2: 1, 3: 1}  # block 1 is locked for the copy
     assert m.num_free_blocks == 4
     m.check_integrity()
 
-    assert m.take_copies() == [BlockCopy(src_block=1, dst_block=3, num_tokens=2)]
+    assert m.take_copies() == [BlockCopy(src_block=1, dst_block=2, num_tokens=2)]
     assert m.take_copies() == []
     assert refs(m)[1] == 1  # still locked: the runner has not run the copy yet
     m.check_integrity()
@@ -96,7 +96,7 @@ def test_prompt_diverging_mid_block_copies_the_matching_tokens() -> None:
     m.check_integrity()
 
     m.cache_blocks("b", u, 10)  # b's own second block is registered next to block 1
-    assert m.pool.blocks[3].key == chain_keys(ROOT, u, BS)[1]
+    assert m.pool.blocks[2].key == chain_keys(ROOT, u, BS)[1]
     assert m.index.get(m.pool.blocks[0].key).num_children == 2
     m.check_integrity()
 
@@ -125,13 +125,13 @@ def test_matched_prefix_survives_the_allocation_that_evicts_its_sibling() -> Non
     t = list(range(1, 10))
     assert admit(m, "a", t) == [0, 1, 2]
     run(m, "a", t)
-    m.free("a")  # free queue [3, 2]; cached: block 1 (leaf), block 0
+    m.free("a")  # free blocks 2, 3; cached: block 1 (leaf), block 0
     u = [1, 2, 3, 4] + [50] * 12  # hits block 0 only, needs 3 more blocks
     match = m.match(u, ROOT)
     assert match.block_ids == [0] and match.partial_src is None
     assert m.num_free_blocks == 4  # 2 empty + 2 evictable: exactly the 3 new blocks + the hit
     assert m.allocate_new("b", u, ROOT, match, 12)
-    assert m.block_ids("b") == [0, 3, 2, 1] and m.num_free_blocks == 0
+    assert m.block_ids("b") == [0, 2, 3, 1] and m.num_free_blocks == 0
     assert len(m.index) == 1 and m.pool.num_evicted_blocks == 1
     m.check_integrity()
 
@@ -151,7 +151,7 @@ def test_allocate_new_and_allocate_more_fail_without_changing_state() -> None:
     m.check_integrity()
 
     assert m.allocate_new("b", u[:16], ROOT, match, 8)  # 2 new + the 2 hits: matched evictable blocks count
-    assert m.block_ids("b") == [0, 1, 3, 2] and m.num_free_blocks == 0
+    assert m.block_ids("b") == [0, 1, 2, 3] and m.num_free_blocks == 0
     before = snapshot(m)
     assert not m.allocate_more("b", 17)
     assert snapshot(m) == before
@@ -216,8 +216,8 @@ def test_free_releases_pending_copy_locks() -> None:
     run(m, "a", t)
     m.free("a")
     u = [1, 2, 3, 4, 5, 6, 99, 98]
-    assert admit(m, "b", u) == [0, 3]
-    assert refs(m) == {0: 1, 1: 1, 3: 1}
+    assert admit(m, "b", u) == [0, 2]
+    assert refs(m) == {0: 1, 1: 1, 2: 1}
     m.free("b")
     assert refs(m) == {} and m.take_copies() == []
     assert m.num_free_blocks == 8
@@ -230,8 +230,8 @@ def test_free_during_a_step_keeps_the_in_flight_lock_until_end_step() -> None:
     admit(m, "a", t)
     run(m, "a", t)
     m.free("a")
-    assert admit(m, "b", [1, 2, 3, 4, 5, 6, 99, 98]) == [0, 3]
-    assert m.take_copies() == [BlockCopy(1, 3, 2)]
+    assert admit(m, "b", [1, 2, 3, 4, 5, 6, 99, 98]) == [0, 2]
+    assert m.take_copies() == [BlockCopy(1, 2, 2)]
     m.free("b")
     assert refs(m) == {1: 1}
     # The lock pins nothing it should not: block 0 (the source's parent) is pinned, not lost.
@@ -252,7 +252,7 @@ def test_salts_isolate_requests() -> None:
         match = m.match(T10, root)
         assert match.block_ids == [] and match.partial_src is None
     assert m.match(T10, alice).block_ids == [0, 1]
-    assert admit(m, "b", T10, bob) == [3, 4, 5]
+    assert admit(m, "b", T10, bob) == [2, 3, 4]
     run(m, "b", T10)
     assert len(m.index) == 4
     m.check_integrity()
@@ -270,7 +270,7 @@ def test_duplicate_registration_then_first_copy_evicted() -> None:
     m.check_integrity()
 
     m.free("a")
-    assert admit(m, "c", list(range(100, 124))) == [6, 7, 8, 2, 1, 0]  # evicts a's copies
+    assert admit(m, "c", list(range(100, 124))) == [2, 6, 7, 8, 1, 0]  # free ones, then evicts a's copies
     assert len(m.index) == 0
     m.check_integrity()
 
@@ -306,13 +306,13 @@ def test_duplicate_registration_under_a_freed_first_copy_pins_it() -> None:
     assert not m.allocate_more("b", 28)  # used to raise NoFreeBlocksError
     assert snapshot(m) == before
     assert m.allocate_more("b", 24)
-    assert m.block_ids("b") == [3, 4, 5, 6, 7, 2]
+    assert m.block_ids("b") == [3, 4, 5, 2, 6, 7]
     m.check_integrity()
 
     m.free("b")  # unpins 1 and 0 after 5
     assert m.num_free_blocks == 8
     m.check_integrity()
-    assert admit(m, "c", list(range(100, 132))) == [2, 7, 6, 4, 3, 5, 1, 0]
+    assert admit(m, "c", list(range(100, 132))) == [2, 3, 4, 6, 7, 5, 1, 0]  # free ones, then leaf-first
     assert len(m.index) == 0
     m.check_integrity()
 
