@@ -53,6 +53,10 @@ class RequestSpec:
     priority: int = 0
     prompt: str | None = None
     tenant: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    """When the server took the request (time.monotonic, one clock for every process on the
+    machine): TTFT and queue time count from here, including a wait for the engine's current
+    step, as vLLM counts from its API server's arrival."""
 
 
 class RequestStream:
@@ -378,6 +382,7 @@ class AsyncEngine:
                             priority=spec.priority,
                             prompt=spec.prompt,
                             tenant=spec.tenant,
+                            arrival_time=spec.arrival_time,
                         )
                     )
             except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way

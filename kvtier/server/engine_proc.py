@@ -277,7 +277,7 @@ class _EngineLoop:
                 for tenant in {s[6] for s in specs}:  # fleet keys: see a purge made elsewhere first
                     tiers.refresh_key(tenant)
                 self._apply_revocations()
-            for rid, ids, params, salt, priority, prompt, tenant in specs:
+            for rid, ids, params, salt, priority, prompt, tenant, arrival in specs:
                 added.append(
                     core.add_request(
                         ids,
@@ -287,6 +287,7 @@ class _EngineLoop:
                         priority=priority,
                         prompt=prompt,
                         tenant=tenant,
+                        arrival_time=min(arrival, time.monotonic()),
                     )
                 )
         except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
@@ -659,6 +660,7 @@ class EngineClient:
                 s.priority,
                 s.prompt,
                 s.tenant,
+                s.arrival_time,
             ]
             for s in specs
         ]

@@ -49,6 +49,7 @@ class FakeEngine:
         """request id -> (prompt, tokens so far, max_tokens)."""
         self.aborted: list[str] = []
         self.added: list[str] = []
+        self.arrivals: dict[str | None, float | None] = {}
         self._permits = threading.Semaphore(0) if gated else None
 
     def permit(self, num_steps: int = 1) -> None:
@@ -72,7 +73,9 @@ class FakeEngine:
         priority: int = 0,
         prompt: str | None = None,
         tenant: str | None = None,
+        arrival_time: float | None = None,
     ) -> str:
+        self.arrivals[request_id] = arrival_time
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")
         assert request_id is not None
@@ -169,6 +172,20 @@ def test_one_request_streams_each_step_in_order_and_finishes() -> None:
     assert not engine.live and engine.num_steps == 4 and not engine.aborted
     assert [(out.request_id, out.outputs[0].token_ids) for out, _ in finished] == [("a", want)]
     assert len(finished[0][1]) == 3  # one inter-token interval per token after the first
+
+
+def test_the_engine_gets_the_servers_arrival_time() -> None:
+    """TTFT and queue time count from when the server took the request, not from when the
+    engine thread got to it (after its current step), as vLLM counts from its API server."""
+    engine = FakeEngine()
+    taken = spec("a", [1, 2], 2)
+
+    async def test(ae: AsyncEngine) -> None:
+        (stream,) = await within(ae.add([taken]))
+        await read_all(stream)
+
+    run(test, engine)
+    assert engine.arrivals == {"a": taken.arrival_time}
 
 
 def test_concurrent_requests_each_get_their_own_tokens() -> None:
