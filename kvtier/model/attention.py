@@ -44,6 +44,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,21 @@ class PrefillSeq:
 
 
 @dataclass(slots=True)
+class PrefillBatch:
+    """Every prefill chunk of a step for one call of the native chunk kernel
+    (kvt_chunk_attention_batch): one parallel region per layer instead of one per sequence."""
+
+    block_tables: torch.Tensor
+    """[S, max_blocks] long, padded with block 0 past each sequence's table."""
+    starts: torch.Tensor
+    """[S] long: each chunk's first position."""
+    row_starts: torch.Tensor
+    """[S] long: each chunk's first row in the step's tokens."""
+    num_tokens: torch.Tensor
+    """[S] long."""
+
+
+@dataclass(slots=True)
 class DecodeBatch:
     """All sequences with exactly one query token in this step."""
 
@@ -111,6 +127,8 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     write_plan: WritePlan | None = None
     """Blocks touched by this step's writes (see `plan_writes`)."""
+    prefill_batch: PrefillBatch | None = None
+    """The prefills as one native chunk-kernel call, where there are several and the kernel is built."""
 
     def plan_writes(self) -> WritePlan:
         """The step's WritePlan, built by the first quantized write that needs one (the torch
@@ -381,6 +399,20 @@ class TorchPagedAttention(AttentionBackend):
 
         prefills = [self._prefill_seq(*args, block_size, device) for args in prefill_args]
         decode = self._decode_batch(decode_rows, decode_tables, decode_lens, block_size, device)
+        batch = None
+        if len(prefill_args) > 1 and device.type == "cpu" and native.chunk_attention_lib() is not None:
+            max_blocks = max(-(-end // block_size) for *_, end, _ in prefill_args)
+            padded: list[int] = []
+            for *_, end, table in prefill_args:
+                used = table[: -(-end // block_size)]
+                padded += used
+                padded += [0] * (max_blocks - len(used))
+            batch = PrefillBatch(
+                long_tensor(padded, device).view(len(prefill_args), max_blocks),
+                long_tensor([a[2] for a in prefill_args], device),
+                long_tensor([a[0] for a in prefill_args], device),
+                long_tensor([a[1] - a[0] for a in prefill_args], device),
+            )
         return AttentionMetadata(
             num_tokens=row,
             block_size=block_size,
@@ -390,6 +422,7 @@ class TorchPagedAttention(AttentionBackend):
             block_tables=block_tables,
             prefills=prefills,
             decode=decode,
+            prefill_batch=batch,
         )
 
     def _prefill_seq(
@@ -465,9 +498,11 @@ class TorchPagedAttention(AttentionBackend):
         if not meta.prefills:  # decodes only: rows are already in order
             assert meta.decode is not None
             return self._decode(q, kv_cache, meta.decode, meta.block_size)
-        out = q.new_empty(num_tokens, hidden)  # [T, Hq * D]
-        for p in meta.prefills:
-            out[p.token_start : p.token_end] = self._prefill(q, k, v, kv_cache, p)
+        out = self._chunk_native_batch(q, kv_cache, meta.prefill_batch) if meta.prefill_batch is not None else None
+        if out is None:
+            out = q.new_empty(num_tokens, hidden)  # [T, Hq * D]
+            for p in meta.prefills:
+                out[p.token_start : p.token_end] = self._prefill(q, k, v, kv_cache, p)
         if meta.decode is not None:
             out.index_copy_(0, meta.decode.token_idx, self._decode(q, kv_cache, meta.decode, meta.block_size))
         return out
@@ -511,11 +546,10 @@ class TorchPagedAttention(AttentionBackend):
         """The chunk's attention straight from a bfloat16 pool (kvt_chunk_attention of
         csrc/paged_attention.c: causal per query token, no gathered copy, no mask); None where the
         kernel does not apply (no AVX512-BF16 build, another dtype or device, a quantized cache)."""
-        if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not isinstance(kv_cache, torch.Tensor):
+        lib = _chunk_lib_for(q, kv_cache)
+        if lib is None:
             return None
-        lib = native.chunk_attention_lib()
-        if lib is None or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
-            return None
+        assert isinstance(kv_cache, torch.Tensor)  # _chunk_lib_for: not a quantized cache
         q = q.contiguous()
         out = torch.empty_like(q)
         _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
@@ -535,9 +569,39 @@ class TorchPagedAttention(AttentionBackend):
             head_dim**-0.5,
             self.chunk_variant,
         )
-        if rc == native.BAD_INDEX:
-            raise IndexError(f"chunk attention: a block id is outside the pool of {num_blocks} blocks")
-        return out.view(q.shape[0], -1) if rc == 0 else None
+        return _chunk_result(rc, out, num_blocks)
+
+    def _chunk_native_batch(self, q: torch.Tensor, kv_cache: KVCache, b: PrefillBatch) -> torch.Tensor | None:
+        """Every prefill chunk's attention in one kvt_chunk_attention_batch call: [T, Hq * D] with
+        the prefill rows filled (decode rows are left for the caller); None where the kernel does
+        not apply (as `_chunk_native`)."""
+        lib = _chunk_lib_for(q, kv_cache)
+        if lib is None:
+            return None
+        assert isinstance(kv_cache, torch.Tensor)  # _chunk_lib_for: not a quantized cache
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        num_seqs, max_blocks = b.block_tables.shape
+        rc = lib.kvt_chunk_attention_batch(
+            q.data_ptr(),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            b.block_tables.data_ptr(),
+            max_blocks,
+            b.starts.data_ptr(),
+            b.row_starts.data_ptr(),
+            b.num_tokens.data_ptr(),
+            num_seqs,
+            self.num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            head_dim**-0.5,
+            self.chunk_variant,
+        )
+        return _chunk_result(rc, out, num_blocks)
 
     def _attend_split(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
         """A chunk over its cached prefix without a mask: q [n, Hq, D] attends (a) over the prefix
@@ -639,6 +703,24 @@ class TorchPagedAttention(AttentionBackend):
         """[Hkv, G * n, D] -> [n, Hq * D]."""
         out = out.view(self.num_kv_heads, self.num_queries_per_kv, n, self.head_dim)
         return out.permute(2, 0, 1, 3).reshape(n, -1)
+
+
+def _chunk_lib_for(q: torch.Tensor, kv_cache: KVCache) -> Any:
+    """The native chunk kernel's library where it applies to these tensors (bfloat16 q and a
+    contiguous, unquantized bfloat16 pool on the CPU), else None."""
+    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or not isinstance(kv_cache, torch.Tensor):
+        return None
+    lib = native.chunk_attention_lib()
+    if lib is None or kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
+        return None
+    return lib
+
+
+def _chunk_result(rc: int, out: torch.Tensor, num_blocks: int) -> torch.Tensor | None:
+    """A chunk kernel's output [n, Hq * D]; None where it declined (rc UNSUPPORTED)."""
+    if rc == native.BAD_INDEX:
+        raise IndexError(f"chunk attention: a block id is outside the pool of {num_blocks} blocks")
+    return out.view(out.shape[0], -1) if rc == 0 else None
 
 
 def gather_kv(kv_cache: KVCache, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -76,6 +76,12 @@ _SIGNATURES = {
             [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
             _int,
         ),
+        # q, out, pool, block_tables [S, max_blocks], max_blocks, starts [S], row_starts [S],
+        # num_tokens [S], S, num_heads, num_kv_heads, num_blocks, block_size, dim, sm_scale, variant
+        "kvt_chunk_attention_batch": (
+            [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _int],
+            _int,
+        ),
         # q, q_kind, out, pool, kv_kind, scales (or NULL), scale_mode (SCALE_BLOCK / SCALE_TOKEN),
         # block_tables, max_blocks, seq_lens, batch, num_heads, num_kv_heads, num_blocks, block_size, dim,
         # sm_scale

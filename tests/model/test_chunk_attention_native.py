@@ -78,6 +78,7 @@ def assert_bf16_close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
     backend = TorchPagedAttention(12, 4, 64)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    backend.native_chunk_max_tokens = 0  # every chunk to the chunk kernel (bind_pool times it against decode rows)
     backend.chunk_variant = variant
     pool, table, meta, q, k, v = chunk(backend, n, start, 16, torch.bfloat16, seed=n * 1000 + start)
     got = backend._chunk_native(q, pool, meta.prefills[0]) if n > 1 else None
@@ -98,6 +99,7 @@ def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
 def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size, variant):
     backend = TorchPagedAttention(heads, kv_heads, dim)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    backend.native_chunk_max_tokens = 0  # every chunk to the chunk kernel (bind_pool times it against decode rows)
     backend.chunk_variant = variant
     for n, start in [(3, 50), (37, 0), (70, 130)]:
         pool, table, meta, q, _k, _v = chunk(backend, n, start, block_size, torch.bfloat16, seed=heads + n)
@@ -107,11 +109,17 @@ def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, d
 
 
 @needs_kernel
-def test_short_chunks_go_to_the_chunk_kernel_on_a_bfloat16_pool_only():
+@pytest.mark.parametrize("rows_faster", [False, True])
+def test_short_chunks_go_to_the_chunk_kernel_on_a_bfloat16_pool_only(rows_faster, monkeypatch):
+    # bind_pool times decode rows against the chunk kernel once per process; fix the verdict here
+    monkeypatch.setattr(attention, "decode_rows_beat_chunk_kernel", lambda *a, **k: rows_faster)
     backend = TorchPagedAttention(12, 4, 64)
     seq = ScheduledSeq("r", [1, 2, 3, 4], 100, list(range(7)), True)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
     meta = backend.build_metadata([seq], 16, torch.device("cpu"))
+    if rows_faster:  # short chunks over a prefix then go to the decode kernel as rows
+        assert not meta.prefills and meta.decode is not None
+        return
     assert len(meta.prefills) == 1 and meta.decode is None
     backend.bind_pool(torch.float32, torch.float32, torch.device("cpu"))  # float32: decode rows serve
     meta = backend.build_metadata([seq], 16, torch.device("cpu"))
@@ -149,3 +157,40 @@ def test_split_attention_matches_one_masked_call(dtype, n, start, monkeypatch):
         torch.testing.assert_close(got, reference(q, pool, table, start, 3), rtol=1e-5, atol=1e-5)
     else:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_steps_prefills_in_one_batch_call_equal_the_per_sequence_calls(variant):
+    """Several prefill chunks (from position 0 and over cached prefixes) and a decode in one step:
+    kvt_chunk_attention_batch gives exactly what one kvt_chunk_attention per sequence gives, and
+    the decode row is left to the decode kernel."""
+    backend = TorchPagedAttention(12, 4, 64)
+    backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    backend.native_chunk_max_tokens = 0  # the 5-token chunk too (bind_pool may time rows faster)
+    backend.chunk_variant = variant
+    g = torch.Generator().manual_seed(7)
+    bs, num_blocks = 16, 160
+    pool = torch.randn(2, 4, num_blocks, bs, 64, generator=g).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    shapes = [(37, 0), (128, 512), (1, 300), (5, 80), (61, 17)]  # (tokens, start); (1, 300) decodes
+    seqs = []
+    for i, (n, start) in enumerate(shapes):
+        table = [free.pop() for _ in range(-(-(start + n) // bs))]
+        seqs.append(ScheduledSeq(f"r{i}", list(range(n)), start, table, True))
+    meta = backend.build_metadata(seqs, bs, torch.device("cpu"))
+    assert meta.prefill_batch is not None and len(meta.prefills) == 4 and meta.decode is not None
+    total = sum(n for n, _ in shapes)
+    q = torch.randn(total, 12, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(total, 4, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(total, 4, 64, generator=g).to(torch.bfloat16)
+    backend.write_kv(k, v, pool, meta)
+    batched = backend._chunk_native_batch(q, pool, meta.prefill_batch)
+    got = backend.forward(q, k, v, pool, meta)
+    for p, (seq, (_n, start)) in zip(meta.prefills, [(s, sh) for s, sh in zip(seqs, shapes) if sh[0] > 1]):
+        one = backend._chunk_native(q[p.token_start : p.token_end], pool, p)
+        assert torch.equal(batched[p.token_start : p.token_end], one)
+        assert torch.equal(got[p.token_start : p.token_end], one)
+        assert_bf16_close(one, reference(q[p.token_start : p.token_end], pool, seq.block_ids, start, 3))
+    row = meta.decode.token_idx[0]
+    assert_bf16_close(got[row : row + 1], reference(q[row : row + 1], pool, seqs[2].block_ids, 300, 3))

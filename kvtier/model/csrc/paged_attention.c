@@ -543,6 +543,49 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
     }
     return KVT_OK;
 }
+/* Every prefill chunk of a step in one call: one parallel region over all (sequence, tile, KV
+ * head) tasks instead of one region per sequence (fewer fork/join barriers, each of which waits
+ * for a descheduled thread when another process takes a core). Sequence s owns query rows
+ * row_starts[s] .. row_starts[s] + num_tokens[s] of q and out, starts at position starts[s] and
+ * reads block_tables[s * max_blocks ..]. Same tasks, same arithmetic as kvt_chunk_attention. */
+int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const int64_t *block_tables,
+                              int64_t max_blocks, const int64_t *starts, const int64_t *row_starts,
+                              const int64_t *num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
+    if ((variant != KVT_CHUNK_DPBF16 && variant != KVT_CHUNK_FMA) || num_kv_heads <= 0 ||
+        num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > TILE_ROWS || dim % 32 != 0 || dim > MAX_DIM ||
+        block_size <= 0 || block_size % 16 != 0 || num_seqs <= 0 || num_seqs > 4096)
+        return KVT_UNSUPPORTED;
+    const int64_t group = num_heads / num_kv_heads, tile = TILE_ROWS / group;
+    int64_t first_task[4097];
+    first_task[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t end = starts[s] + num_tokens[s];
+        if (starts[s] < 0 || num_tokens[s] <= 0 || row_starts[s] < 0) return KVT_UNSUPPORTED;
+        if (max_blocks * block_size < end) return KVT_BAD_INDEX;
+        for (int64_t j = 0; j < (end + block_size - 1) / block_size; j++)
+            if (block_tables[s * max_blocks + j] < 0 || block_tables[s * max_blocks + j] >= num_blocks)
+                return KVT_BAD_INDEX;
+        first_task[s + 1] = first_task[s] + (num_tokens[s] + tile - 1) / tile * num_kv_heads;
+    }
+    const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2, KVT_SCALE_BLOCK};
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < first_task[num_seqs]; task++) {
+        int64_t s = 0;
+        while (first_task[s + 1] <= task) s++;
+        const int64_t local = task - first_task[s], tiles = (num_tokens[s] + tile - 1) / tile;
+        const int64_t i = tiles - 1 - local / num_kv_heads, head = local % num_kv_heads; /* last tiles first */
+        const int64_t t0 = i * tile, n = num_tokens[s] - t0 < tile ? num_tokens[s] - t0 : tile;
+        const uint16_t *qs = (const uint16_t *)q + row_starts[s] * num_heads * dim;
+        uint16_t *os = (uint16_t *)out + row_starts[s] * num_heads * dim;
+        const int64_t *table = block_tables + s * max_blocks;
+        if (variant == KVT_CHUNK_FMA)
+            chunk_task_fma(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+        else
+            chunk_task(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+    }
+    return KVT_OK;
+}
 #endif /* __AVX512BF16__ */
 
 #else /* no AVX-512: torch's SDPA serves */
@@ -567,6 +610,15 @@ int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_
                         int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
     (void)variant; (void)q; (void)out; (void)pool; (void)table; (void)table_len; (void)start; (void)num_tokens; (void)num_heads;
     (void)num_kv_heads; (void)num_blocks; (void)block_size; (void)dim; (void)sm_scale;
+    return KVT_UNSUPPORTED;
+}
+int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const int64_t *block_tables,
+                              int64_t max_blocks, const int64_t *starts, const int64_t *row_starts,
+                              const int64_t *num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
+    (void)q; (void)out; (void)pool; (void)block_tables; (void)max_blocks; (void)starts; (void)row_starts;
+    (void)num_tokens; (void)num_seqs; (void)num_heads; (void)num_kv_heads; (void)num_blocks; (void)block_size;
+    (void)dim; (void)sm_scale; (void)variant;
     return KVT_UNSUPPORTED;
 }
 #endif
