@@ -518,36 +518,25 @@ static void chunk_task_fma(const Layer *L, const uint16_t *q, uint16_t *out, con
     }
 }
 
+int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const int64_t *block_tables,
+                              int64_t max_blocks, const int64_t *starts, const int64_t *row_starts,
+                              const int64_t *num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant);
+
+/* One sequence's chunk: the batch entry with one sequence (same tasks, same order). */
 int kvt_chunk_attention(const void *q, void *out, const void *pool, const int64_t *table, int64_t table_len,
                         int64_t start, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
                         int64_t num_blocks, int64_t block_size, int64_t dim, float sm_scale, int variant) {
-    if ((variant != KVT_CHUNK_DPBF16 && variant != KVT_CHUNK_FMA) || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > TILE_ROWS ||
-        dim % 32 != 0 || dim > MAX_DIM || block_size <= 0 || block_size % 16 != 0 || start < 0 || num_tokens <= 0)
-        return KVT_UNSUPPORTED;
-    const int64_t end = start + num_tokens;
-    if (table_len * block_size < end) return KVT_BAD_INDEX;
-    for (int64_t j = 0; j < (end + block_size - 1) / block_size; j++)
-        if (table[j] < 0 || table[j] >= num_blocks) return KVT_BAD_INDEX;
-    const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2, KVT_SCALE_BLOCK};
-    const int64_t group = num_heads / num_kv_heads, tile = TILE_ROWS / group;
-    const int64_t tiles = (num_tokens + tile - 1) / tile;
-    /* the last tiles see the most keys: hand them out first */
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tiles * num_kv_heads; task++) {
-        const int64_t i = tiles - 1 - task / num_kv_heads, head = task % num_kv_heads;
-        const int64_t t0 = i * tile, n = num_tokens - t0 < tile ? num_tokens - t0 : tile;
-        if (variant == KVT_CHUNK_FMA)
-            chunk_task_fma(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
-        else
-            chunk_task(&L, (const uint16_t *)q, (uint16_t *)out, table, start, t0, n, head, group, num_heads, sm_scale);
-    }
-    return KVT_OK;
+    const int64_t row0 = 0;
+    return kvt_chunk_attention_batch(q, out, pool, table, table_len, &start, &row0, &num_tokens, 1, num_heads,
+                                     num_kv_heads, num_blocks, block_size, dim, sm_scale, variant);
 }
+
 /* Every prefill chunk of a step in one call: one parallel region over all (sequence, tile, KV
  * head) tasks instead of one region per sequence (fewer fork/join barriers, each of which waits
  * for a descheduled thread when another process takes a core). Sequence s owns query rows
  * row_starts[s] .. row_starts[s] + num_tokens[s] of q and out, starts at position starts[s] and
- * reads block_tables[s * max_blocks ..]. Same tasks, same arithmetic as kvt_chunk_attention. */
+ * reads block_tables[s * max_blocks ..]; the last tiles of each sequence (most keys) go first. */
 int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const int64_t *block_tables,
                               int64_t max_blocks, const int64_t *starts, const int64_t *row_starts,
                               const int64_t *num_tokens, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
