@@ -93,7 +93,7 @@ def test_matches_sdpa_for_chunk_and_prefix_lengths(n, start, variant):
 @needs_kernel
 @pytest.mark.parametrize(
     "heads,kv_heads,dim,block_size",
-    [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16), (32, 8, 64, 48), (6, 2, 256, 16)],
+    [(4, 4, 32, 16), (8, 1, 64, 32), (16, 2, 128, 16), (32, 8, 64, 48), (6, 2, 256, 16), (6, 3, 96, 32)],
 )
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, dim, block_size, variant):

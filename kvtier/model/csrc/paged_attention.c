@@ -278,15 +278,20 @@ int kvt_decode_attention(const void *q, int q_kind, void *out, const void *pool,
  *
  * Query token i of the chunk sits at position start + i and sees keys 0 .. start + i, read straight
  * from the paged pool (no gathered copy, no mask tensor). One task per (KV head, tile of query
- * tokens): the tile's rows (token t, query head g of the group) share each K/V chunk of 16 keys,
- * which is transposed once into key-major bfloat16 pairs so that one vdpbf16ps per pair of dims
- * gives a row's 16 scores; the softmax is online per row in float32, and P @ V runs as bfloat16
- * dot products over pairs of keys (P rounded to bfloat16, as flash kernels do), accumulated in
- * float32. Needs AVX512-BF16, a bfloat16 pool, block_size % 16 == 0 and dim % 32 == 0. */
+ * tokens): the tile's rows (token t, query head g of the group) share each step of 32 keys, whose
+ * K is transposed once into key-major bfloat16 pairs so that one vdpbf16ps per pair of dims gives
+ * 16 of a row's scores; the softmax is online per row in float32 (one max and one rescale per 32
+ * keys), and P @ V runs as bfloat16 dot products over pairs of keys (P rounded to bfloat16, as
+ * flash kernels do), accumulated in float32. Rows go in blocks of RB, with every accumulator of a
+ * block in registers: 16 independent chains for the scores and 16 for P @ V, enough to keep both
+ * vdpbf16ps pipes of a Zen 5 busy (one layer of 8 x 128 queries over 640 keys: 5.5 ms with 16 keys
+ * per step and 4-8 chains, 3.5-4.1 ms now). Needs AVX512-BF16, a bfloat16 pool,
+ * block_size % 16 == 0 and dim % 32 == 0. */
 #if defined(__AVX512BF16__)
 #define TILE_ROWS 60 /* query rows (tokens x group) per task */
 enum { KVT_CHUNK_DPBF16 = 0, KVT_CHUNK_FMA = 1 };
 #define RB 4         /* rows per register block */
+#define KEYS 32      /* keys per step of a tile: two vectors of 16 scores per row */
 
 int kvt_has_chunk_attention(void) { return 1; }
 
@@ -314,9 +319,43 @@ static inline void transpose16x16(__m512i r[16]) {
     }
 }
 
-static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
-                       int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
-    const int64_t dim = L->dim, pairs = dim / 2, nv = dim / 16, bs = L->block_size;
+/* P @ V for RB rows and W of the nv output vectors from column group cg: all RB x W accumulators in
+ * registers (RB * W independent vdpbf16ps chains, each V register used RB times), npairs pairs of keys. */
+static inline __attribute__((always_inline)) void pv_group(__m512 (*acc)[MAX_DIM / 16], int64_t r0, int64_t nr,
+                                                           const uint32_t (*pp)[KEYS / 2],
+                                                           const __m512i (*vp)[MAX_DIM / 16], int64_t cg, const int W,
+                                                           int64_t npairs) {
+    __m512 a[RB][4];
+    for (int rr = 0; rr < RB; rr++)
+        for (int c = 0; c < W; c++) a[rr][c] = acc[r0 + (rr < nr ? rr : 0)][cg + c];
+    for (int64_t j = 0; j < npairs; j++) {
+        __m512bh v[4];
+        for (int c = 0; c < W; c++) v[c] = (__m512bh)vp[j][cg + c];
+        for (int rr = 0; rr < RB; rr++) {
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[rr][j]);
+            for (int c = 0; c < W; c++) a[rr][c] = _mm512_dpbf16_ps(a[rr][c], v[c], p);
+        }
+    }
+    for (int rr = 0; rr < nr; rr++)
+        for (int c = 0; c < W; c++) acc[r0 + rr][cg + c] = a[rr][c];
+}
+
+static inline __attribute__((always_inline)) void pv_rows(__m512 (*acc)[MAX_DIM / 16], int64_t r0, int64_t nr,
+                                                          const uint32_t (*pp)[KEYS / 2],
+                                                          const __m512i (*vp)[MAX_DIM / 16], const int64_t nv,
+                                                          int64_t npairs) {
+    int64_t cg = 0;
+    for (; cg + 4 <= nv; cg += 4) pv_group(acc, r0, nr, pp, vp, cg, 4, npairs);
+    if (cg < nv) pv_group(acc, r0, nr, pp, vp, cg, 2, npairs); /* dim % 32 == 0: nv is even */
+}
+
+/* One task: a tile of query rows of one KV head over keys 0 .. the tile's last position, KEYS keys
+ * per step. `dim` is a constant where the wrappers below pass one, so that the loops unroll. */
+static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, const uint16_t *q, uint16_t *out,
+                                                             const int64_t *table, int64_t start, int64_t t0,
+                                                             int64_t tokens, int64_t head, int64_t group,
+                                                             int64_t num_heads, float sm_scale, const int64_t dim) {
+    const int64_t pairs = dim / 2, nv = dim / 16, bs = L->block_size;
     const int64_t rows = tokens * group;
     float m[TILE_ROWS];
     __m512 acc[TILE_ROWS][MAX_DIM / 16], lsum[TILE_ROWS];
@@ -331,78 +370,93 @@ static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const i
         for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
     }
     const int64_t end = start + t0 + tokens; /* keys the tile's last row sees */
-    __m512i kt[MAX_DIM / 2];                 /* key-major pairs: kt[d2] lane k = (k_k[2 d2], k_k[2 d2 + 1]) */
-    __m512i vp[8][MAX_DIM / 16];             /* vp[j][c] lane d = (v_2j[16c + d], v_2j+1[16c + d]) */
-    const __m512 scale = _mm512_set1_ps(sm_scale);
-    for (int64_t c0 = 0; c0 < end; c0 += 16) {
-        const int64_t block = table[c0 / bs], slot0 = c0 % bs;
-        const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot0);
-        const uint16_t *vb = (const uint16_t *)kv_row(L, 1, head, block, slot0);
-        const int64_t live_keys = end - c0 < 16 ? end - c0 : 16; /* rows past the context are never read */
-        for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
-            __m512i r16[16];
-            for (int k = 0; k < 16; k++)
-                r16[k] = k < live_keys ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
-            transpose16x16(r16);
-            for (int d = 0; d < 16; d++) kt[s16 + d] = r16[d];
+    __m512i kt[2][MAX_DIM / 2];         /* kt[h][d2] lane k = key 16 h + k's dims (2 d2, 2 d2 + 1) */
+    __m512i vp[KEYS / 2][MAX_DIM / 16]; /* vp[j][c] lane d = (v_2j[16c + d], v_2j+1[16c + d]) */
+    const __m512 scale = _mm512_set1_ps(sm_scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t c0 = 0; c0 < end; c0 += KEYS) {
+        const int64_t live_keys = end - c0 < KEYS ? end - c0 : KEYS; /* rows past the context are never read */
+        const uint16_t *vb[2] = {NULL, NULL};
+        for (int h = 0; h < 2; h++) { /* each half of 16 keys lies in one block (block_size % 16 == 0) */
+            const int64_t lk = live_keys - 16 * h;
+            if (lk <= 0) {
+                for (int64_t d = 0; d < pairs; d++) kt[h][d] = _mm512_setzero_si512();
+                continue;
+            }
+            const int64_t block = table[(c0 + 16 * h) / bs], slot = (c0 + 16 * h) % bs;
+            const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot);
+            vb[h] = (const uint16_t *)kv_row(L, 1, head, block, slot);
+            for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
+                __m512i r16[16];
+                for (int k = 0; k < 16; k++)
+                    r16[k] = k < lk ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
+                transpose16x16(r16);
+                for (int d = 0; d < 16; d++) kt[h][s16 + d] = r16[d];
+            }
         }
-        for (int j = 0; j < 8; j++) {
+        for (int j = 0; j < KEYS / 2; j++) {
+            const uint16_t *v0 = 2 * j < live_keys ? vb[j / 8] + (2 * j % 16) * dim : NULL;
+            const uint16_t *v1 = 2 * j + 1 < live_keys ? vb[j / 8] + ((2 * j + 1) % 16) * dim : NULL;
             for (int64_t c = 0; c < nv; c++) {
-                const int64_t k0 = 2 * j, k1 = 2 * j + 1;
-                const __m512i a = k0 < live_keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + k0 * dim + 16 * c))) : _mm512_setzero_si512();
-                const __m512i b = k1 < live_keys ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vb + k1 * dim + 16 * c))) : _mm512_setzero_si512();
+                const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c))) : _mm512_setzero_si512();
+                const __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c))) : _mm512_setzero_si512();
                 vp[j][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
             }
         }
-        /* RB rows at a time: 2 * RB independent dot-product chains for the scores and RB * nv for
-         * P @ V (one chain would wait on vdpbf16ps latency), each K/V register reused RB times */
+        /* RB rows at a time: 4 * RB independent dot-product chains for the scores (two halves of
+         * 16 keys, even and odd pairs of dims), each K register reused RB times */
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             const int64_t nr = rows - r0 < RB ? rows - r0 : RB;
             if (c0 >= limit[r0 + nr - 1]) continue; /* limits grow with the row: all in the future */
             const uint32_t *qr[RB];
             for (int rr = 0; rr < RB; rr++) qr[rr] = qrow[r0 + (rr < nr ? rr : nr - 1)];
-            __m512 sa[RB], sb[RB];
-            for (int rr = 0; rr < RB; rr++) sa[rr] = sb[rr] = _mm512_setzero_ps();
+            __m512 s0a[RB], s0b[RB], s1a[RB], s1b[RB];
+            for (int rr = 0; rr < RB; rr++) s0a[rr] = s0b[rr] = s1a[rr] = s1b[rr] = _mm512_setzero_ps();
             for (int64_t d2 = 0; d2 < pairs; d2 += 2) {
-                const __m512bh k0 = (__m512bh)kt[d2], k1 = (__m512bh)kt[d2 + 1];
+                const __m512bh k00 = (__m512bh)kt[0][d2], k01 = (__m512bh)kt[0][d2 + 1];
+                const __m512bh k10 = (__m512bh)kt[1][d2], k11 = (__m512bh)kt[1][d2 + 1];
                 for (int rr = 0; rr < RB; rr++) {
-                    sa[rr] = _mm512_dpbf16_ps(sa[rr], k0, (__m512bh)_mm512_set1_epi32((int)qr[rr][d2]));
-                    sb[rr] = _mm512_dpbf16_ps(sb[rr], k1, (__m512bh)_mm512_set1_epi32((int)qr[rr][d2 + 1]));
+                    const __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)qr[rr][d2]);
+                    const __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)qr[rr][d2 + 1]);
+                    s0a[rr] = _mm512_dpbf16_ps(s0a[rr], k00, b0);
+                    s0b[rr] = _mm512_dpbf16_ps(s0b[rr], k01, b1);
+                    s1a[rr] = _mm512_dpbf16_ps(s1a[rr], k10, b0);
+                    s1b[rr] = _mm512_dpbf16_ps(s1b[rr], k11, b1);
                 }
             }
-            uint32_t pp[RB][8] __attribute__((aligned(32)));
+            uint32_t pp[RB][KEYS / 2] __attribute__((aligned(64)));
             int64_t pairs_live = 0;
             for (int rr = 0; rr < RB; rr++) {
                 const int64_t r = r0 + rr;
                 if (rr >= nr || c0 >= limit[r]) { /* padding row, or a row that sees none of these keys */
-                    memset(pp[rr], 0, sizeof pp[rr]);
+                    _mm512_store_si512((void *)pp[rr], _mm512_setzero_si512());
                     continue;
                 }
-                const int64_t visible = limit[r] - c0 < 16 ? limit[r] - c0 : 16;
-                const __mmask16 live = (__mmask16)((1u << visible) - 1u);
-                const __m512 sc = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), live, _mm512_add_ps(sa[rr], sb[rr]), scale);
-                const float chunk_max = _mm512_reduce_max_ps(sc);
+                const int64_t visible = limit[r] - c0 < KEYS ? limit[r] - c0 : KEYS;
+                const __mmask16 live0 = visible >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << visible) - 1u);
+                const __mmask16 live1 = visible <= 16 ? (__mmask16)0 : (__mmask16)((1u << (visible - 16)) - 1u);
+                const __m512 sc0 = _mm512_mask_mul_ps(ninf, live0, _mm512_add_ps(s0a[rr], s0b[rr]), scale);
+                const __m512 sc1 = _mm512_mask_mul_ps(ninf, live1, _mm512_add_ps(s1a[rr], s1b[rr]), scale);
+                const float chunk_max = _mm512_reduce_max_ps(_mm512_max_ps(sc0, sc1));
                 if (chunk_max > m[r]) { /* the running max moved: rescale what was summed under the old */
-                    const __m512 correction = _mm512_set1_ps(expf(m[r] - chunk_max)); /* 0 at the first chunk */
+                    const __m512 correction = _mm512_set1_ps(expf(m[r] - chunk_max)); /* 0 at the first step */
                     lsum[r] = _mm512_mul_ps(lsum[r], correction);
                     for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], correction);
                     m[r] = chunk_max;
                 }
-                const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sc, _mm512_set1_ps(m[r]))));
-                lsum[r] = _mm512_add_ps(lsum[r], p); /* summed across lanes once, at the end */
-                _mm256_store_si256((__m256i *)pp[rr], (__m256i)_mm512_cvtneps_pbh(p)); /* (p_2j, p_2j+1) pairs */
+                const __m512 mv = _mm512_set1_ps(m[r]);
+                const __m512 p0 = _mm512_maskz_mov_ps(live0, exp16(_mm512_sub_ps(sc0, mv)));
+                const __m512 p1 = _mm512_maskz_mov_ps(live1, exp16(_mm512_sub_ps(sc1, mv)));
+                lsum[r] = _mm512_add_ps(lsum[r], _mm512_add_ps(p0, p1)); /* summed across lanes once, at the end */
+                /* (p_2j, p_2j+1) bfloat16 pairs: the low 16 from p0, the high 16 from p1 */
+                _mm512_store_si512((void *)pp[rr], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
                 if ((visible + 1) / 2 > pairs_live) pairs_live = (visible + 1) / 2;
             }
-            for (int64_t c = 0; c < nv; c++) {
-                __m512 a[RB];
-                for (int rr = 0; rr < RB; rr++) a[rr] = acc[r0 + (rr < nr ? rr : 0)][c];
-                for (int64_t j = 0; j < pairs_live; j++) {
-                    const __m512bh v = (__m512bh)vp[j][c];
-                    for (int rr = 0; rr < RB; rr++)
-                        a[rr] = _mm512_dpbf16_ps(a[rr], v, (__m512bh)_mm512_set1_epi32((int)pp[rr][j]));
-                }
-                for (int rr = 0; rr < nr; rr++) acc[r0 + rr][c] = a[rr];
-            }
+            const uint32_t (*ppc)[KEYS / 2] = (const uint32_t (*)[KEYS / 2])pp;
+            const __m512i (*vpc)[MAX_DIM / 16] = (const __m512i (*)[MAX_DIM / 16])vp;
+            if (pairs_live == KEYS / 2) /* every step but a diagonal one: a constant trip count */
+                pv_rows(acc, r0, nr, ppc, vpc, nv, KEYS / 2);
+            else
+                pv_rows(acc, r0, nr, ppc, vpc, nv, pairs_live);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -412,6 +466,20 @@ static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const i
         for (int64_t c = 0; c < nv; c++)
             _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv)));
     }
+}
+
+/* The common head sizes with `dim` known at compile time; any other dim % 32 == 0 at run time. */
+static void chunk_task_64(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
+                          int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 64);
+}
+static void chunk_task_128(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
+                           int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 128);
+}
+static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
+                       int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, L->dim);
 }
 
 /* The same tile and online softmax in float32 FMAs (KVT_CHUNK_FMA), for CPUs whose FMA units outrun
@@ -570,6 +638,10 @@ int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const 
         const int64_t *table = block_tables + s * max_blocks;
         if (variant == KVT_CHUNK_FMA)
             chunk_task_fma(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+        else if (dim == 64)
+            chunk_task_64(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+        else if (dim == 128)
+            chunk_task_128(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
         else
             chunk_task(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
     }
