@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -54,9 +55,12 @@ ONEDNN, DENSE, NATIVE_FMA, NATIVE_DP, FP32 = "onednn", "dense", "native_fma", "n
 METHODS = (ONEDNN, DENSE, NATIVE_FMA, NATIVE_DP, FP32)
 _NATIVE_VARIANT = {NATIVE_DP: 0, NATIVE_FMA: 1}  # KVT_GEMM_DPBF16, KVT_GEMM_FMA of csrc/gemm.c
 
-CANDIDATE_ROWS = (1, 4, 16, 64, 128, 256, 512, 2048)
+CANDIDATE_ROWS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048)
 """Batch sizes the measurement times (rows of the projection's input); the last one's method serves
-every larger batch, so it is a prefill chunk's size."""
+every larger batch, so it is a prefill chunk's size. A size's method serves every batch up to the
+next size, so the grid must be fine where methods cross: without 1024, a 512-row near tie (oneDNN
+1.07 ms, the native kernel 1.19) left the native kernel on every step of 512-2047 rows, where
+oneDNN is 1.4x faster at 1024 rows on a Zen 5 (a serving wave of 8 x 128 new tokens)."""
 
 WIN_MARGIN = 1.10
 """A size takes another method than the size below it (the baseline for the first) only when that
@@ -272,18 +276,36 @@ def measure_plan(
 
 def choose_plan(timings: dict[int, dict[str, float]], baseline: str, margin: float = WIN_MARGIN) -> GemmPlan:
     """Per measured size the fastest method, where it beats the method of the size below (the
-    baseline for the first) by `margin`, else that one; merged into steps, a size's method
-    serving up to the next measured size."""
+    baseline for the first) by `margin`, else that one; merged into steps. Where the method changes
+    between two measured sizes, the step starts where the two methods' relative speed crosses,
+    interpolated between the sizes (just above the lower size where the new method was already as
+    fast there), not at the upper size: the batches in between are nearer the new method's."""
     steps: list[tuple[int, str]] = []
     current = baseline
-    for i, rows in enumerate(sorted(timings)):
+    below: int | None = None
+    for rows in sorted(timings):
         t = timings[rows]
         best = min(t, key=t.__getitem__)
+        start = rows
         if t[best] * margin <= t[current]:
+            if below is not None and best != current:
+                start = _crossover(below, rows, timings[below], t, current, best)
             current = best
         if not steps or steps[-1][1] != current:
-            steps.append((1 if i == 0 else rows, current))
+            steps.append((1 if not steps else start, current))
+        below = rows
     return GemmPlan(tuple(steps))
+
+
+def _crossover(a: int, b: int, ta: dict[str, float], tb: dict[str, float], old: str, new: str) -> int:
+    """First row count from which `new` is expected to beat `old`, between measured sizes a < b:
+    the zero of old/new - 1, interpolated linearly in rows (a ratio, since the calibration layer's
+    width may differ between sizes)."""
+    ra, rb = ta[old] / ta[new] - 1.0, tb[old] / tb[new] - 1.0
+    if ra >= 0 or rb <= ra:
+        return a + 1
+    cross = a + (b - a) * (-ra) / (rb - ra)
+    return min(b, max(a + 1, math.ceil(cross)))
 
 
 @torch.inference_mode()

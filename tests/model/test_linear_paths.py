@@ -45,9 +45,13 @@ def test_choose_plan_switches_only_for_a_clear_win_over_the_size_below():
         2048: {ONEDNN: 1.0, NATIVE_FMA: 2.0, FP32: 0.62},
     }
     plan = choose_plan(timings, ONEDNN)
-    assert plan.steps == ((1, NATIVE_FMA), (512, FP32))
-    assert [plan.method(r) for r in (1, 15, 63, 511, 512, 5000)] == [NATIVE_FMA] * 4 + [FP32] * 2
+    # fp32 was already as fast at 64 rows, and wins clearly at 512: it takes over just above 64
+    assert plan.steps == ((1, NATIVE_FMA), (65, FP32))
+    assert [plan.method(r) for r in (1, 15, 63, 64, 65, 5000)] == [NATIVE_FMA] * 4 + [FP32] * 2
     assert not {ONEDNN} & plan.methods and plan.needs_dense
+    # where the new method was still behind at the lower size, it starts where the speeds cross
+    crossing = {1: {ONEDNN: 1.0, NATIVE_DP: 0.5}, 512: {ONEDNN: 1.0, NATIVE_DP: 0.8}, 1024: {ONEDNN: 1.0, NATIVE_DP: 1.4}}
+    assert choose_plan(crossing, ONEDNN).steps == ((1, NATIVE_DP), (683, ONEDNN))
     # a near tie at the first size keeps the baseline
     assert choose_plan({1: {ONEDNN: 1.0, NATIVE_FMA: 0.95}}, ONEDNN).steps == ((1, ONEDNN),)
     assert not GemmPlan(((1, ONEDNN),)).needs_dense
