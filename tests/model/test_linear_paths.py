@@ -50,7 +50,11 @@ def test_choose_plan_switches_only_for_a_clear_win_over_the_size_below():
     assert [plan.method(r) for r in (1, 15, 63, 64, 65, 5000)] == [NATIVE_FMA] * 4 + [FP32] * 2
     assert not {ONEDNN} & plan.methods and plan.needs_dense
     # where the new method was still behind at the lower size, it starts where the speeds cross
-    crossing = {1: {ONEDNN: 1.0, NATIVE_DP: 0.5}, 512: {ONEDNN: 1.0, NATIVE_DP: 0.8}, 1024: {ONEDNN: 1.0, NATIVE_DP: 1.4}}
+    crossing = {
+        1: {ONEDNN: 1.0, NATIVE_DP: 0.5},
+        512: {ONEDNN: 1.0, NATIVE_DP: 0.8},
+        1024: {ONEDNN: 1.0, NATIVE_DP: 1.4},
+    }
     assert choose_plan(crossing, ONEDNN).steps == ((1, NATIVE_DP), (683, ONEDNN))
     # a near tie at the first size keeps the baseline
     assert choose_plan({1: {ONEDNN: 1.0, NATIVE_FMA: 0.95}}, ONEDNN).steps == ((1, ONEDNN),)
