@@ -20,6 +20,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kv_common.h"
@@ -322,15 +323,14 @@ static inline void transpose16x16(__m512i r[16]) {
 /* P @ V for RB rows and W of the nv output vectors from column group cg: all RB x W accumulators in
  * registers (RB * W independent vdpbf16ps chains, each V register used RB times), npairs pairs of keys. */
 static inline __attribute__((always_inline)) void pv_group(__m512 (*acc)[MAX_DIM / 16], int64_t r0, int64_t nr,
-                                                           const uint32_t (*pp)[KEYS / 2],
-                                                           const __m512i (*vp)[MAX_DIM / 16], int64_t cg, const int W,
-                                                           int64_t npairs) {
+                                                           const uint32_t (*pp)[KEYS / 2], const __m512i *vp,
+                                                           const int64_t nv, int64_t cg, const int W, int64_t npairs) {
     __m512 a[RB][4];
     for (int rr = 0; rr < RB; rr++)
         for (int c = 0; c < W; c++) a[rr][c] = acc[r0 + (rr < nr ? rr : 0)][cg + c];
     for (int64_t j = 0; j < npairs; j++) {
         __m512bh v[4];
-        for (int c = 0; c < W; c++) v[c] = (__m512bh)vp[j][cg + c];
+        for (int c = 0; c < W; c++) v[c] = (__m512bh)vp[j * nv + cg + c];
         for (int rr = 0; rr < RB; rr++) {
             const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[rr][j]);
             for (int c = 0; c < W; c++) a[rr][c] = _mm512_dpbf16_ps(a[rr][c], v[c], p);
@@ -341,21 +341,63 @@ static inline __attribute__((always_inline)) void pv_group(__m512 (*acc)[MAX_DIM
 }
 
 static inline __attribute__((always_inline)) void pv_rows(__m512 (*acc)[MAX_DIM / 16], int64_t r0, int64_t nr,
-                                                          const uint32_t (*pp)[KEYS / 2],
-                                                          const __m512i (*vp)[MAX_DIM / 16], const int64_t nv,
-                                                          int64_t npairs) {
+                                                          const uint32_t (*pp)[KEYS / 2], const __m512i *vp,
+                                                          const int64_t nv, int64_t npairs) {
     int64_t cg = 0;
-    for (; cg + 4 <= nv; cg += 4) pv_group(acc, r0, nr, pp, vp, cg, 4, npairs);
-    if (cg < nv) pv_group(acc, r0, nr, pp, vp, cg, 2, npairs); /* dim % 32 == 0: nv is even */
+    for (; cg + 4 <= nv; cg += 4) pv_group(acc, r0, nr, pp, vp, nv, cg, 4, npairs);
+    if (cg < nv) pv_group(acc, r0, nr, pp, vp, nv, cg, 2, npairs); /* dim % 32 == 0: nv is even */
 }
 
+/* One step of KEYS keys from c0 of one KV head, ready for the dot products: kt[h * pairs + d2] lane k
+ * = key 16 h + k's dims (2 d2, 2 d2 + 1) (K transposed to key-major bfloat16 pairs), vp[j * nv + c]
+ * lane d = (v_2j[16c + d], v_2j+1[16c + d]) (V in pairs of keys); keys at `end` and past are 0. */
+static inline __attribute__((always_inline)) void prep_step(const Layer *L, const int64_t *table, int64_t head,
+                                                            int64_t c0, int64_t end, const int64_t dim, __m512i *kt,
+                                                            __m512i *vp) {
+    const int64_t pairs = dim / 2, nv = dim / 16, bs = L->block_size;
+    const int64_t live_keys = end - c0 < KEYS ? end - c0 : KEYS; /* rows past the context are never read */
+    const uint16_t *vb[2] = {NULL, NULL};
+    for (int h = 0; h < 2; h++) { /* each half of 16 keys lies in one block (block_size % 16 == 0) */
+        const int64_t lk = live_keys - 16 * h;
+        if (lk <= 0) {
+            for (int64_t d = 0; d < pairs; d++) kt[h * pairs + d] = _mm512_setzero_si512();
+            continue;
+        }
+        const int64_t block = table[(c0 + 16 * h) / bs], slot = (c0 + 16 * h) % bs;
+        const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot);
+        vb[h] = (const uint16_t *)kv_row(L, 1, head, block, slot);
+        for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
+            __m512i r16[16];
+            for (int k = 0; k < 16; k++)
+                r16[k] = k < lk ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
+            transpose16x16(r16);
+            for (int d = 0; d < 16; d++) kt[h * pairs + s16 + d] = r16[d];
+        }
+    }
+    for (int j = 0; j < KEYS / 2; j++) {
+        const uint16_t *v0 = 2 * j < live_keys ? vb[j / 8] + (2 * j % 16) * dim : NULL;
+        const uint16_t *v1 = 2 * j + 1 < live_keys ? vb[j / 8] + ((2 * j + 1) % 16) * dim : NULL;
+        for (int64_t c = 0; c < nv; c++) {
+            const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c))) : _mm512_setzero_si512();
+            const __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c))) : _mm512_setzero_si512();
+            vp[j * nv + c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+        }
+    }
+}
+
+/* __m512i vectors of one prepared step (prep_step's kt, then vp) */
+static inline int64_t step_vectors(int64_t dim) { return dim + KEYS / 2 * (dim / 16); }
+
 /* One task: a tile of query rows of one KV head over keys 0 .. the tile's last position, KEYS keys
- * per step. `dim` is a constant where the wrappers below pass one, so that the loops unroll. */
+ * per step. `dim` is a constant where the wrappers below pass one, so that the loops unroll.
+ * `steps`: the head's steps prepared beforehand (prep_step), shared by the sequence's tiles; NULL:
+ * each step is prepared here. */
 static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, const uint16_t *q, uint16_t *out,
                                                              const int64_t *table, int64_t start, int64_t t0,
                                                              int64_t tokens, int64_t head, int64_t group,
-                                                             int64_t num_heads, float sm_scale, const int64_t dim) {
-    const int64_t pairs = dim / 2, nv = dim / 16, bs = L->block_size;
+                                                             int64_t num_heads, float sm_scale, const int64_t dim,
+                                                             const __m512i *steps) {
+    const int64_t pairs = dim / 2, nv = dim / 16;
     const int64_t rows = tokens * group;
     float m[TILE_ROWS];
     __m512 acc[TILE_ROWS][MAX_DIM / 16], lsum[TILE_ROWS];
@@ -370,38 +412,15 @@ static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, con
         for (int64_t c = 0; c < nv; c++) acc[r][c] = _mm512_setzero_ps();
     }
     const int64_t end = start + t0 + tokens; /* keys the tile's last row sees */
-    __m512i kt[2][MAX_DIM / 2];         /* kt[h][d2] lane k = key 16 h + k's dims (2 d2, 2 d2 + 1) */
-    __m512i vp[KEYS / 2][MAX_DIM / 16]; /* vp[j][c] lane d = (v_2j[16c + d], v_2j+1[16c + d]) */
+    __m512i own[MAX_DIM + KEYS / 2 * (MAX_DIM / 16)];
     const __m512 scale = _mm512_set1_ps(sm_scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t c0 = 0; c0 < end; c0 += KEYS) {
-        const int64_t live_keys = end - c0 < KEYS ? end - c0 : KEYS; /* rows past the context are never read */
-        const uint16_t *vb[2] = {NULL, NULL};
-        for (int h = 0; h < 2; h++) { /* each half of 16 keys lies in one block (block_size % 16 == 0) */
-            const int64_t lk = live_keys - 16 * h;
-            if (lk <= 0) {
-                for (int64_t d = 0; d < pairs; d++) kt[h][d] = _mm512_setzero_si512();
-                continue;
-            }
-            const int64_t block = table[(c0 + 16 * h) / bs], slot = (c0 + 16 * h) % bs;
-            const uint16_t *kb = (const uint16_t *)kv_row(L, 0, head, block, slot);
-            vb[h] = (const uint16_t *)kv_row(L, 1, head, block, slot);
-            for (int64_t s16 = 0; s16 < pairs; s16 += 16) {
-                __m512i r16[16];
-                for (int k = 0; k < 16; k++)
-                    r16[k] = k < lk ? _mm512_loadu_si512((const void *)(kb + k * dim + 2 * s16)) : _mm512_setzero_si512();
-                transpose16x16(r16);
-                for (int d = 0; d < 16; d++) kt[h][s16 + d] = r16[d];
-            }
-        }
-        for (int j = 0; j < KEYS / 2; j++) {
-            const uint16_t *v0 = 2 * j < live_keys ? vb[j / 8] + (2 * j % 16) * dim : NULL;
-            const uint16_t *v1 = 2 * j + 1 < live_keys ? vb[j / 8] + ((2 * j + 1) % 16) * dim : NULL;
-            for (int64_t c = 0; c < nv; c++) {
-                const __m512i a = v0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v0 + 16 * c))) : _mm512_setzero_si512();
-                const __m512i b = v1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(v1 + 16 * c))) : _mm512_setzero_si512();
-                vp[j][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-            }
-        }
+        const __m512i *kt = own;
+        if (steps != NULL)
+            kt = steps + c0 / KEYS * step_vectors(dim);
+        else
+            prep_step(L, table, head, c0, end, dim, own, own + dim);
+        const __m512i *vp = kt + dim;
         /* RB rows at a time: 4 * RB independent dot-product chains for the scores (two halves of
          * 16 keys, even and odd pairs of dims), each K register reused RB times */
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -412,8 +431,8 @@ static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, con
             __m512 s0a[RB], s0b[RB], s1a[RB], s1b[RB];
             for (int rr = 0; rr < RB; rr++) s0a[rr] = s0b[rr] = s1a[rr] = s1b[rr] = _mm512_setzero_ps();
             for (int64_t d2 = 0; d2 < pairs; d2 += 2) {
-                const __m512bh k00 = (__m512bh)kt[0][d2], k01 = (__m512bh)kt[0][d2 + 1];
-                const __m512bh k10 = (__m512bh)kt[1][d2], k11 = (__m512bh)kt[1][d2 + 1];
+                const __m512bh k00 = (__m512bh)kt[d2], k01 = (__m512bh)kt[d2 + 1];
+                const __m512bh k10 = (__m512bh)kt[pairs + d2], k11 = (__m512bh)kt[pairs + d2 + 1];
                 for (int rr = 0; rr < RB; rr++) {
                     const __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)qr[rr][d2]);
                     const __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)qr[rr][d2 + 1]);
@@ -452,11 +471,10 @@ static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, con
                 if ((visible + 1) / 2 > pairs_live) pairs_live = (visible + 1) / 2;
             }
             const uint32_t (*ppc)[KEYS / 2] = (const uint32_t (*)[KEYS / 2])pp;
-            const __m512i (*vpc)[MAX_DIM / 16] = (const __m512i (*)[MAX_DIM / 16])vp;
             if (pairs_live == KEYS / 2) /* every step but a diagonal one: a constant trip count */
-                pv_rows(acc, r0, nr, ppc, vpc, nv, KEYS / 2);
+                pv_rows(acc, r0, nr, ppc, vp, nv, KEYS / 2);
             else
-                pv_rows(acc, r0, nr, ppc, vpc, nv, pairs_live);
+                pv_rows(acc, r0, nr, ppc, vp, nv, pairs_live);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -470,16 +488,19 @@ static inline __attribute__((always_inline)) void chunk_tile(const Layer *L, con
 
 /* The common head sizes with `dim` known at compile time; any other dim % 32 == 0 at run time. */
 static void chunk_task_64(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
-                          int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
-    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 64);
+                          int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale,
+                          const __m512i *steps) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 64, steps);
 }
 static void chunk_task_128(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
-                           int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
-    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 128);
+                           int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale,
+                           const __m512i *steps) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, 128, steps);
 }
 static void chunk_task(const Layer *L, const uint16_t *q, uint16_t *out, const int64_t *table, int64_t start,
-                       int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale) {
-    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, L->dim);
+                       int64_t t0, int64_t tokens, int64_t head, int64_t group, int64_t num_heads, float sm_scale,
+                       const __m512i *steps) {
+    chunk_tile(L, q, out, table, start, t0, tokens, head, group, num_heads, sm_scale, L->dim, steps);
 }
 
 /* The same tile and online softmax in float32 FMAs (KVT_CHUNK_FMA), for CPUs whose FMA units outrun
@@ -626,25 +647,55 @@ int kvt_chunk_attention_batch(const void *q, void *out, const void *pool, const 
         first_task[s + 1] = first_task[s] + (num_tokens[s] + tile - 1) / tile * num_kv_heads;
     }
     const Layer L = {(const char *)pool, NULL, KVS_BF16, num_kv_heads, num_blocks, block_size, dim, 2, KVT_SCALE_BLOCK};
-#pragma omp parallel for schedule(dynamic, 1)
-    for (int64_t task = 0; task < first_task[num_seqs]; task++) {
-        int64_t s = 0;
-        while (first_task[s + 1] <= task) s++;
-        const int64_t local = task - first_task[s], tiles = (num_tokens[s] + tile - 1) / tile;
-        const int64_t i = tiles - 1 - local / num_kv_heads, head = local % num_kv_heads; /* last tiles first */
-        const int64_t t0 = i * tile, n = num_tokens[s] - t0 < tile ? num_tokens[s] - t0 : tile;
-        const uint16_t *qs = (const uint16_t *)q + row_starts[s] * num_heads * dim;
-        uint16_t *os = (uint16_t *)out + row_starts[s] * num_heads * dim;
-        const int64_t *table = block_tables + s * max_blocks;
-        if (variant == KVT_CHUNK_FMA)
-            chunk_task_fma(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
-        else if (dim == 64)
-            chunk_task_64(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
-        else if (dim == 128)
-            chunk_task_128(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
-        else
-            chunk_task(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+    /* A sequence cut into several tiles gets its steps prepared once per head, before the tiles run,
+     * instead of once per tile (K transposed, V paired: about a fifth of a tile's work otherwise). */
+    int64_t first_step[4097]; /* prepared steps before sequence s (all heads) */
+    first_step[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t tiles = (num_tokens[s] + tile - 1) / tile, end = starts[s] + num_tokens[s];
+        first_step[s + 1] = first_step[s] + (variant == KVT_CHUNK_DPBF16 && tiles > 1 ? (end + KEYS - 1) / KEYS * num_kv_heads : 0);
     }
+    const int64_t vecs = step_vectors(dim);
+    __m512i *steps = NULL;
+    if (first_step[num_seqs] > 0) {
+        steps = (__m512i *)aligned_alloc(64, (size_t)(first_step[num_seqs] * vecs) * sizeof(__m512i));
+        if (steps == NULL) /* no room: every tile prepares its own */
+            for (int64_t s = 0; s <= num_seqs; s++) first_step[s] = 0;
+    }
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 4)
+        for (int64_t step = 0; step < first_step[num_seqs]; step++) {
+            int64_t s = 0;
+            while (first_step[s + 1] <= step) s++;
+            const int64_t local = step - first_step[s], per_head = (first_step[s + 1] - first_step[s]) / num_kv_heads;
+            const int64_t head = local / per_head, c0 = local % per_head * KEYS, end = starts[s] + num_tokens[s];
+            __m512i *kt = steps + step * vecs;
+            prep_step(&L, block_tables + s * max_blocks, head, c0, end, dim, kt, kt + dim);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < first_task[num_seqs]; task++) {
+            int64_t s = 0;
+            while (first_task[s + 1] <= task) s++;
+            const int64_t local = task - first_task[s], tiles = (num_tokens[s] + tile - 1) / tile;
+            const int64_t i = tiles - 1 - local / num_kv_heads, head = local % num_kv_heads; /* last tiles first */
+            const int64_t t0 = i * tile, n = num_tokens[s] - t0 < tile ? num_tokens[s] - t0 : tile;
+            const uint16_t *qs = (const uint16_t *)q + row_starts[s] * num_heads * dim;
+            uint16_t *os = (uint16_t *)out + row_starts[s] * num_heads * dim;
+            const int64_t *table = block_tables + s * max_blocks;
+            const int64_t per_head = (first_step[s + 1] - first_step[s]) / num_kv_heads;
+            const __m512i *own = per_head ? steps + (first_step[s] + head * per_head) * vecs : NULL;
+            if (variant == KVT_CHUNK_FMA)
+                chunk_task_fma(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale);
+            else if (dim == 64)
+                chunk_task_64(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale, own);
+            else if (dim == 128)
+                chunk_task_128(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale, own);
+            else
+                chunk_task(&L, qs, os, table, starts[s], t0, n, head, group, num_heads, sm_scale, own);
+        }
+    }
+    free(steps);
     return KVT_OK;
 }
 #endif /* __AVX512BF16__ */
