@@ -9,6 +9,9 @@ Each scenario (quiet; contended: benchmarks/corunner.py keeps one core busy whil
 runs) measures the machine (matmul peak, memcpy) beside its runs, then runs every workload on
 every engine; vLLM-CPU once per `--vllm-bindings` value (VLLM_CPU_OMP_THREADS_BIND), and the
 ratios use the faster binding. Every engine's figures are wall clock around the same call.
+`--rounds N` runs each engine's worker N times per workload, the engines alternating and their
+order flipping each round, and quotes the median over the rounds: on a host whose speed drifts,
+one engine's block of repeats can otherwise land in a slow spell the other escapes.
 `--out FILE` appends each result as it comes (a killed run keeps what it measured). Prints one
 JSON object at the end.
 """
@@ -319,6 +322,18 @@ METRICS = [
 ]
 
 
+def merge_rounds(workload: str, rounds: list[dict]) -> dict:
+    """One engine's results of a workload over `--rounds` worker runs: the run with the median
+    headline figure (METRICS), that figure replaced by the median over the runs, and every run's
+    figure under `rounds`. One run, or a workload without a headline figure: the first run."""
+    key = next((k for wl, k, _ in METRICS if wl == workload), None)
+    good = [r for r in rounds if key is not None and r.get(key) is not None]
+    if len(rounds) == 1 or not good:
+        return rounds[0]
+    middle = sorted(good, key=lambda r: r[key])[(len(good) - 1) // 2]
+    return {**middle, key: statistics.median(r[key] for r in good), "rounds": [r.get(key) for r in rounds]}
+
+
 def best_vllm(results: dict) -> dict:
     """Per workload, the faster of vLLM's bindings (engines named vllm-cpu[bind=...])."""
     best: dict = {}
@@ -355,7 +370,15 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="reference checkpoint (built if missing)")
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--engines", nargs="+", default=["kvtier", "transformers", "vllm-cpu"])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats inside each worker process")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="worker runs per engine and workload, the engines alternating and the order flipping each "
+        "round (compare.py otherwise runs one engine's repeats and then the other's, so a slow spell "
+        "of the host lands on one engine); the headline figure is the median over the rounds",
+    )
     ap.add_argument(
         "--scenarios",
         nargs="+",
@@ -406,19 +429,27 @@ def main() -> None:
         record({"scenario": scenario, "machine": machine})
         results: dict = {}
         for wl in args.workloads:
-            for eng, env in runs:
-                if eng != "kvtier" and wl == "bookkeeping":
-                    continue
-                if eng == "transformers" and wl in ("warm_ttft", "warm_batch", "pressure", *LONG_WORKLOADS):
-                    continue
-                with corunner.running(cores):
-                    res = run_worker(eng.split("[")[0], wl, model_dir, args.repeats, args.vllm_python, env)
-                res["loadavg_after"] = os.getloadavg()
-                results.setdefault(eng, {})[wl] = res
-                record({"scenario": scenario, "engine": eng, "workload": wl, "result": res})
-                print(
-                    f"[compare] {scenario:>9} {eng:>20} {wl:<13} {json.dumps(res)[:220]}", file=sys.stderr, flush=True
-                )
+            eligible = [
+                (eng, env)
+                for eng, env in runs
+                if not (eng != "kvtier" and wl == "bookkeeping")
+                and not (eng == "transformers" and wl in ("warm_ttft", "warm_batch", "pressure", *LONG_WORKLOADS))
+            ]
+            per_round: dict[str, list[dict]] = {}
+            for rnd in range(args.rounds):  # the order flips every round: a slow spell hits all engines
+                for eng, env in eligible if rnd % 2 == 0 else eligible[::-1]:
+                    with corunner.running(cores):
+                        res = run_worker(eng.split("[")[0], wl, model_dir, args.repeats, args.vllm_python, env)
+                    res["loadavg_after"] = os.getloadavg()
+                    per_round.setdefault(eng, []).append(res)
+                    record({"scenario": scenario, "engine": eng, "workload": wl, "round": rnd, "result": res})
+                    print(
+                        f"[compare] {scenario:>9} {eng:>20} {wl:<13} round {rnd} {json.dumps(res)[:200]}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            for eng, rounds in per_round.items():
+                results.setdefault(eng, {})[wl] = merge_rounds(wl, rounds)
         peak = machine.get("bf16_matmul_gflops") or machine["fp32_matmul_gflops"]
         for eng in ("kvtier", "transformers"):
             cold = results.get(eng, {}).get("cold_prefill", {})
