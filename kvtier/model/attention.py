@@ -78,6 +78,9 @@ class PrefillSeq:
     folded: bool
     """Whether the G query heads of a KV head are folded into the query axis (see
     TorchPagedAttention); only for short chunks, where the G-fold mask stays small."""
+    batch: PrefillBatch | None = None
+    """This chunk alone as the native chunk kernel's batch (its rows from 0), built by the first
+    layer that calls the kernel for it and shared by the others."""
 
 
 @dataclass(slots=True)
@@ -543,33 +546,18 @@ class TorchPagedAttention(AttentionBackend):
         return self._unfold(out[0], num_new)
 
     def _chunk_native(self, q: torch.Tensor, kv_cache: KVCache, p: PrefillSeq) -> torch.Tensor | None:
-        """The chunk's attention straight from a bfloat16 pool (kvt_chunk_attention of
-        csrc/paged_attention.c: causal per query token, no gathered copy, no mask); None where the
-        kernel does not apply (no AVX512-BF16 build, another dtype or device, a quantized cache)."""
-        lib = _chunk_lib_for(q, kv_cache)
-        if lib is None:
-            return None
-        assert isinstance(kv_cache, torch.Tensor)  # _chunk_lib_for: not a quantized cache
-        q = q.contiguous()
-        out = torch.empty_like(q)
-        _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
-        rc = lib.kvt_chunk_attention(
-            q.data_ptr(),
-            out.data_ptr(),
-            kv_cache.data_ptr(),
-            p.block_ids.data_ptr(),
-            p.block_ids.numel(),
-            p.start_pos,
-            q.shape[0],
-            self.num_heads,
-            num_kv_heads,
-            num_blocks,
-            block_size,
-            head_dim,
-            head_dim**-0.5,
-            self.chunk_variant,
-        )
-        return _chunk_result(rc, out, num_blocks)
+        """The chunk's attention straight from a bfloat16 pool: q holds the chunk's rows only, and
+        goes to the batch kernel as a batch of one (causal per query token, no gathered copy, no
+        mask); None where the kernel does not apply (as `_chunk_native_batch`)."""
+        if p.batch is None:
+            device = p.block_ids.device
+            p.batch = PrefillBatch(
+                p.block_ids.view(1, -1),
+                long_tensor([p.start_pos], device),
+                long_tensor([0], device),
+                long_tensor([p.token_end - p.token_start], device),
+            )
+        return self._chunk_native_batch(q, kv_cache, p.batch)
 
     def _chunk_native_batch(self, q: torch.Tensor, kv_cache: KVCache, b: PrefillBatch) -> torch.Tensor | None:
         """Every prefill chunk's attention in one kvt_chunk_attention_batch call: [T, Hq * D] with

@@ -163,7 +163,7 @@ def test_split_attention_matches_one_masked_call(dtype, n, start, monkeypatch):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_steps_prefills_in_one_batch_call_equal_the_per_sequence_calls(variant):
     """Several prefill chunks (from position 0 and over cached prefixes) and a decode in one step:
-    kvt_chunk_attention_batch gives exactly what one kvt_chunk_attention per sequence gives, and
+    kvt_chunk_attention_batch gives exactly what one call per sequence (`_chunk_native`) gives, and
     the decode row is left to the decode kernel."""
     backend = TorchPagedAttention(12, 4, 64)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
