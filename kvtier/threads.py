@@ -43,6 +43,7 @@ loading kvtier's connector) keeps its own policy, and so do the processes it sta
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -375,6 +376,57 @@ def on_helper_thread() -> None:
 
 
 ADAPTIVE_ENV = "KVTIER_ADAPTIVE_THREADS"
+DYNAMIC_ROWS_ENV = "KVTIER_DYNAMIC_ROWS"
+
+_dynamic_rows = False
+
+
+def dynamic_rows_active() -> bool:
+    """Whether big GEMMs should run in row blocks under a dynamic schedule (`run_dynamic`) this
+    step: set by AdaptiveTeam for big steps while other processes take compute CPUs."""
+    return _dynamic_rows
+
+
+def set_dynamic_rows(on: bool) -> None:
+    global _dynamic_rows
+    _dynamic_rows = on
+
+
+def run_dynamic(num_blocks: int, body: Callable[[int], None], num_threads: int | None = None) -> bool:
+    """Run body(0) ... body(num_blocks - 1) on the calling thread's (pinned) OpenMP team, each
+    thread taking the next block when it finishes its last (a dynamic schedule), so a thread
+    whose CPU another process shares does fewer blocks instead of holding the others at a
+    barrier. `body` runs inside the parallel region: the torch and oneDNN ops it calls see that
+    and run on their own thread. Returns False, having run nothing, when the OpenMP runtime
+    cannot be reached; re-raises the first exception a block raised."""
+    lib = _libgomp_cached()
+    if lib is None:
+        return False
+    plan = _plan
+    n = num_threads or (len(plan.compute_cpus) if plan is not None and plan.compute_cpus else 0)
+    n = n or max(1, os.cpu_count() or 1)
+    blocks = iter(range(num_blocks))  # next() on a range iterator is atomic under the GIL
+    errors: list[BaseException] = []
+
+    def work(_: int | None) -> None:
+        try:
+            for i in blocks:
+                if errors:
+                    return
+                body(i)
+        except BaseException as e:  # noqa: BLE001 - a ctypes callback must not raise
+            errors.append(e)
+
+    cb = _FN(work)
+    lib.GOMP_parallel(cb, None, min(n, num_blocks), 0)
+    if errors:
+        raise errors[0]
+    return True
+
+
+@functools.cache
+def _libgomp_cached() -> ctypes.CDLL | None:
+    return _libgomp()
 
 
 class AdaptiveTeam:
@@ -386,7 +438,10 @@ class AdaptiveTeam:
     many short parallel regions, each ending in a barrier that would wait a whole time slice for
     a preempted thread) run on n - m threads that the kernel places among the compute CPUs, so
     they end up on the free ones; steps of `big_step_tokens` or more (prefill: long regions,
-    where even a shared core helps) keep the whole pinned team. Without contention, or with one
+    where even a shared core helps) keep the whole pinned team, and their big GEMMs run in row
+    blocks that the threads take as they finish (`run_dynamic`), so the thread on a free CPU does
+    more of them than the one sharing its CPU, where oneDNN's static split would make it wait
+    for that one (`KVTIER_DYNAMIC_ROWS=0` keeps oneDNN's split). Without contention, or with one
     compute CPU, it does nothing. `KVTIER_ADAPTIVE_THREADS=0` switches it off.
 
     Call `before_step(num_tokens)` on the thread that steps the engine, before the forward.
@@ -421,6 +476,9 @@ class AdaptiveTeam:
             and os.environ.get(ADAPTIVE_ENV, "1") not in ("0", "false")
             and Path("/proc/stat").is_file()
         )
+        self.dynamic_rows = os.environ.get(DYNAMIC_ROWS_ENV, "1") not in ("0", "false")
+        """Whether big steps under contention run their big GEMMs in row blocks on a dynamic
+        schedule (kvtier.model.linear), rather than oneDNN's static split of the team."""
         self.cpus_taken = 0
         """Compute CPUs' worth of other processes' work (as of the last reading)."""
         self.num_shrinks = 0
@@ -437,6 +495,7 @@ class AdaptiveTeam:
 
     def before_step(self, num_tokens: int) -> None:
         if not self.enabled:
+            set_dynamic_rows(False)
             return
         now = self._clock()
         if self._last is None or now - self._last[0] >= self.interval_s:
@@ -445,6 +504,7 @@ class AdaptiveTeam:
         want = ("pinned", n)
         if self.cpus_taken and num_tokens < self.big_step_tokens:
             want = ("spread", max(1, n - self.cpus_taken))
+        set_dynamic_rows(self.dynamic_rows and bool(self.cpus_taken) and num_tokens >= self.big_step_tokens)
         if want != self._mode:
             if want[1] < self._mode[1]:
                 self.num_shrinks += 1

@@ -173,13 +173,43 @@ def test_adaptive_team_shrinks_for_small_steps_while_a_cpu_is_taken_and_grows_ba
     m.advance(0.5, ours={100: 0.6, 101: 0.6}, others=0.8)  # a neighbour takes most of a CPU
     team.before_step(16)
     assert team.cpus_taken == 1 and m.teams[-1] == ((0, 1), 1) and team.num_shrinks == 1
-    team.before_step(2048)  # a prefill chunk keeps the whole pinned team
+    assert not threads.dynamic_rows_active()
+    team.before_step(2048)  # a prefill chunk keeps the whole pinned team, its GEMMs in dynamic row blocks
     assert m.teams[-1] == ((0, 1), None) and team.num_threads == 2
+    assert threads.dynamic_rows_active()
     team.before_step(16)
-    assert m.teams[-1] == ((0, 1), 1)
+    assert m.teams[-1] == ((0, 1), 1) and not threads.dynamic_rows_active()
+    team.dynamic_rows = False  # KVTIER_DYNAMIC_ROWS=0
+    team.before_step(2048)
+    assert not threads.dynamic_rows_active()
+    team.dynamic_rows = True
     m.advance(0.5, ours={100: 1.0}, others=0.1)  # the neighbour left (noise below the threshold)
     team.before_step(16)
     assert team.cpus_taken == 0 and m.teams[-1] == ((0, 1), None)
+    team.before_step(2048)  # no contention: oneDNN's own split
+    assert not threads.dynamic_rows_active()
+
+
+def test_run_dynamic_runs_every_block_once_on_the_team_and_reraises():
+    import threading
+
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def body(i: int) -> None:
+        with lock:
+            seen.append((i, threading.get_native_id()))
+
+    assert threads.run_dynamic(37, body, num_threads=2)
+    assert sorted(i for i, _ in seen) == list(range(37))
+    assert threads.run_dynamic(0, body, num_threads=2)  # nothing to do
+
+    def bad(i: int) -> None:
+        if i == 3:
+            raise ValueError("block 3")
+
+    with pytest.raises(ValueError, match="block 3"):
+        threads.run_dynamic(8, bad, num_threads=2)
 
 
 def test_adaptive_team_is_off_for_one_cpu_or_by_env(monkeypatch):

@@ -104,6 +104,32 @@ def test_every_method_agrees_with_float32_rounded_once(bias, rows):
             assert _within_one_ulp(got, want), method
 
 
+@needs_packing
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [512, 700, 1024])
+@pytest.mark.parametrize("mode", ["inference", "no_grad"])
+def test_dynamic_row_blocks_give_what_one_call_gives(bias, rows, mode, monkeypatch):
+    """Under contention big packed GEMMs run as row blocks on a dynamic schedule
+    (kvtier.threads.run_dynamic); each block is the same oneDNN GEMM, so the rows are the same."""
+    from kvtier import threads
+
+    layer, g = _layer(96, 160, bias)
+    layer.pack(keep_weight=False)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    with torch.inference_mode() if mode == "inference" else torch.no_grad():
+        want = layer(x)
+        monkeypatch.setattr(threads, "_dynamic_rows", True)
+        got = layer(x)
+        small = layer(x[:300])  # below DYNAMIC_MIN_ROWS: one call
+        direct = linear.linear_packed_dynamic(x, layer.packed_weight, layer.bias, 160)
+    assert got.shape == (rows, 160) and torch.equal(got, want)
+    assert torch.equal(small, want[:300])
+    assert direct is not None and torch.equal(direct, want)
+    if bias:  # autograd on: one call, the product recorded
+        assert linear.linear_packed_dynamic(x, layer.packed_weight, layer.bias, 160) is None
+        assert layer(x).grad_fn is not None
+
+
 @needs_kernel
 def test_native_kernel_takes_strided_rows_and_refuses_what_it_cannot_do():
     layer, g = _layer(64, 32, bias=True)
