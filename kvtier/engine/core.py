@@ -124,9 +124,10 @@ class EngineCore:
         self.thread_plan = None
         """The CPU compute-thread plan in force (kvtier.threads), None on an accelerator."""
         if runner is None and (mc.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
-            from kvtier import threads
+            from kvtier import heap, threads
 
             self.thread_plan = threads.configure(mc.cpu_threads_bind, mc.num_threads)
+            heap.retain_freed_memory()
         self.team = None
         """Shrinks the compute team off CPUs other processes use (kvtier.threads.AdaptiveTeam)."""
         if self.thread_plan is not None and len(self.thread_plan.compute_cpus) >= 2:
