@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
+
+from kvtier.threads import env_switch
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +37,9 @@ _done = False
 def retain_freed_memory(environ: dict[str, str] | None = None) -> bool:
     """Raise glibc's mmap and trim thresholds for this process (once); True when they are set."""
     global _done
-    env = os.environ if environ is None else environ
     if _done:
         return True
-    if env.get(RETAIN_ENV, "1") in ("0", "false"):
+    if not env_switch(RETAIN_ENV, environ):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -43,13 +43,12 @@ loading kvtier's connector) keeps its own policy, and so do the processes it sta
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import math
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,8 +279,15 @@ def _wait_in_force() -> str:
 _FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
+_gomp: ctypes.CDLL | None = None
+
+
 def _libgomp() -> ctypes.CDLL | None:
-    """torch's OpenMP runtime (the one already loaded into this process)."""
+    """torch's OpenMP runtime (the one already loaded into this process); found once, then kept
+    (None is not kept: torch may load it later)."""
+    global _gomp
+    if _gomp is not None:
+        return _gomp
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "libgomp" in line and line.rstrip().endswith((".so", ".so.1"))}
@@ -293,6 +299,7 @@ def _libgomp() -> ctypes.CDLL | None:
             lib.GOMP_parallel.argtypes = [_FN, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
             lib.GOMP_parallel.restype = None
             lib.omp_get_thread_num.restype = ctypes.c_int
+            _gomp = lib
             return lib
         except (OSError, AttributeError):
             continue
@@ -378,6 +385,12 @@ def on_helper_thread() -> None:
 ADAPTIVE_ENV = "KVTIER_ADAPTIVE_THREADS"
 DYNAMIC_ROWS_ENV = "KVTIER_DYNAMIC_ROWS"
 
+
+def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """An on/off environment variable that is on unless set to `0` or `false`."""
+    return (os.environ if environ is None else environ).get(name, "1").strip().lower() not in ("0", "false")
+
+
 _dynamic_rows = False
 
 
@@ -399,9 +412,11 @@ def run_dynamic(num_blocks: int, body: Callable[[int], None], num_threads: int |
     barrier. `body` runs inside the parallel region: the torch and oneDNN ops it calls see that
     and run on their own thread. Returns False, having run nothing, when the OpenMP runtime
     cannot be reached; re-raises the first exception a block raised."""
-    lib = _libgomp_cached()
+    lib = _libgomp()
     if lib is None:
         return False
+    if num_blocks <= 0:
+        return True
     plan = _plan
     n = num_threads or (len(plan.compute_cpus) if plan is not None and plan.compute_cpus else 0)
     n = n or max(1, os.cpu_count() or 1)
@@ -422,11 +437,6 @@ def run_dynamic(num_blocks: int, body: Callable[[int], None], num_threads: int |
     if errors:
         raise errors[0]
     return True
-
-
-@functools.cache
-def _libgomp_cached() -> ctypes.CDLL | None:
-    return _libgomp()
 
 
 class AdaptiveTeam:
@@ -471,12 +481,8 @@ class AdaptiveTeam:
         self._cpu_busy = cpu_busy or _cpu_busy_ticks
         self._thread_ticks = thread_ticks or _thread_ticks
         self._pin_team = pin or _pin_and_size
-        self.enabled = (
-            len(plan.compute_cpus) >= 2
-            and os.environ.get(ADAPTIVE_ENV, "1") not in ("0", "false")
-            and Path("/proc/stat").is_file()
-        )
-        self.dynamic_rows = os.environ.get(DYNAMIC_ROWS_ENV, "1") not in ("0", "false")
+        self.enabled = len(plan.compute_cpus) >= 2 and env_switch(ADAPTIVE_ENV) and Path("/proc/stat").is_file()
+        self.dynamic_rows = env_switch(DYNAMIC_ROWS_ENV)
         """Whether big steps under contention run their big GEMMs in row blocks on a dynamic
         schedule (kvtier.model.linear), rather than oneDNN's static split of the team."""
         self.cpus_taken = 0
