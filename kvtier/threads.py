@@ -386,9 +386,20 @@ ADAPTIVE_ENV = "KVTIER_ADAPTIVE_THREADS"
 DYNAMIC_ROWS_ENV = "KVTIER_DYNAMIC_ROWS"
 
 
+_SWITCH_ON = ("1", "true", "yes", "on")
+_SWITCH_OFF = ("0", "false", "no", "off")
+
+
 def env_switch(name: str, environ: Mapping[str, str] | None = None) -> bool:
-    """An on/off environment variable that is on unless set to `0` or `false`."""
-    return (os.environ if environ is None else environ).get(name, "1").strip().lower() not in ("0", "false")
+    """An on/off environment variable, on when unset or empty: 1/true/yes/on or 0/false/no/off
+    (any case); any other value is a ValueError that names the variable, never a silent default."""
+    raw = (os.environ if environ is None else environ).get(name, "")
+    value = raw.strip().lower()
+    if value in _SWITCH_OFF:
+        return False
+    if value == "" or value in _SWITCH_ON:
+        return True
+    raise ValueError(f"{name} must be one of 1/true/yes/on or 0/false/no/off, got {raw!r}")
 
 
 _dynamic_rows = False

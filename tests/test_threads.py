@@ -216,3 +216,15 @@ def test_adaptive_team_is_off_for_one_cpu_or_by_env(monkeypatch):
     assert not AdaptiveTeam(ThreadPlan(1, (0,), (0,), "test")).enabled
     monkeypatch.setenv(threads.ADAPTIVE_ENV, "0")
     assert not AdaptiveTeam(ThreadPlan(2, (0, 1), (0, 1), "test")).enabled
+
+
+def test_env_switch_accepts_the_usual_spellings_and_rejects_the_rest():
+    name = threads.DYNAMIC_ROWS_ENV
+    assert threads.env_switch(name, {})  # unset: on
+    assert threads.env_switch(name, {name: ""})
+    for on in ("1", "true", "YES", " on "):
+        assert threads.env_switch(name, {name: on})
+    for off in ("0", "False", "no", "OFF"):
+        assert not threads.env_switch(name, {name: off})
+    with pytest.raises(ValueError, match=f"{name} must be one of .*got 'disable'"):
+        threads.env_switch(name, {name: "disable"})
