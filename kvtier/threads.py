@@ -42,12 +42,14 @@ loading kvtier's connector) keeps its own policy, and so do the processes it sta
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import math
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -465,7 +467,13 @@ class AdaptiveTeam:
     for that one (`KVTIER_DYNAMIC_ROWS=0` keeps oneDNN's split). Without contention, or with one
     compute CPU, it does nothing. `KVTIER_ADAPTIVE_THREADS=0` switches it off.
 
-    Call `before_step(num_tokens)` on the thread that steps the engine, before the forward.
+    Call `before_step(num_tokens)` on the thread that steps the engine, before the forward. With
+    `start_sampler()` (the engine's way) a helper thread reads the CPUs every 50 ms, idle or not,
+    each reading over the last 150 ms: so the first step after an idle spell sees the load of
+    now, not of the whole spell, and a burst that has ended (a benchmark client that built its
+    requests on the same machine, then sent them) stops counting within about 0.2 s. Without the
+    sampler, `before_step` reads itself, at most every `interval_s`, over the time since its last
+    reading.
     """
 
     def __init__(
@@ -500,10 +508,16 @@ class AdaptiveTeam:
         """Compute CPUs' worth of other processes' work (as of the last reading)."""
         self.num_shrinks = 0
         """Times the team shrank (for the log and the benchmarks)."""
+        self.num_samples = 0
+        """Readings of the CPUs taken so far."""
         self._mode: tuple[str, int] = ("pinned", len(plan.compute_cpus))
         self._tids: set[int] = set()
-        self._last: tuple[float, int, int] | None = None
+        self._readings: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=16)
+        self._window_s = interval_s
         self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     @property
     def num_threads(self) -> int:
@@ -514,9 +528,12 @@ class AdaptiveTeam:
         if not self.enabled:
             set_dynamic_rows(False)
             return
-        now = self._clock()
-        if self._last is None or now - self._last[0] >= self.interval_s:
-            self._sample(now)
+        if not self._tids and not self._apply(self._mode):  # learn the team's thread ids
+            return
+        if self._sampler is None:
+            now = self._clock()
+            if not self._readings or now - self._readings[-1][0] >= self.interval_s:
+                self._sample(now)
         n = len(self.plan.compute_cpus)
         want = ("pinned", n)
         if self.cpus_taken and num_tokens < self.big_step_tokens:
@@ -532,17 +549,51 @@ class AdaptiveTeam:
         if tids is None:
             self.enabled = False
             return False
-        self._tids.update(tids.values())
+        with self._lock:
+            self._tids.update(tids.values())
         self._mode = mode
         return True
 
+    def start_sampler(self, period_s: float = 0.05, window_s: float = 0.15) -> None:
+        """Read the CPUs every `period_s` on a helper thread (daemon; `stop_sampler` ends it);
+        each reading is the load over the last `window_s`."""
+        if not self.enabled or self._sampler is not None:
+            return
+        self._window_s = window_s
+        self._stop = threading.Event()
+        self._sampler = threading.Thread(
+            target=_sample_loop,
+            args=(weakref.ref(self), self._stop, period_s),
+            name="kvtier-cpu-sampler",
+            daemon=True,
+        )
+        self._sampler.start()
+
+    def stop_sampler(self) -> None:
+        thread, self._sampler = self._sampler, None
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout=5)
+
     def _sample(self, now: float) -> None:
-        if not self._tids and not self._apply(self._mode):  # learn the team's thread ids
+        with self._lock:
+            tids = tuple(self._tids)
+        if not tids:  # the stepping thread has not made its team yet
             return
         busy = sum(self._cpu_busy(self.plan.compute_cpus).values())
-        ours = sum(self._thread_ticks(t) for t in self._tids)
-        if self._last is not None:
-            t0, busy0, ours0 = self._last
+        ours = sum(self._thread_ticks(t) for t in tids)
+        self.num_samples += 1
+        # The load over the last `_window_s`: from the newest reading at least that old (or the
+        # oldest kept). The sampler reads more often than its window, so that a burst that has
+        # ended stops counting within a window (the ticks are 10 ms: shorter windows are noise).
+        base = self._readings[0] if self._readings else None
+        for r in reversed(self._readings):
+            if now - r[0] >= self._window_s:
+                base = r
+                break
+        self._readings.append((now, busy, ours))
+        if base is not None:
+            t0, busy0, ours0 = base
             window = (now - t0) * self._hz
             if window > 0:
                 others = max(0.0, (busy - busy0) - (ours - ours0)) / window
@@ -554,7 +605,21 @@ class AdaptiveTeam:
                         len(self.plan.compute_cpus) - taken,
                     )
                 self.cpus_taken = taken
-        self._last = (now, busy, ours)
+
+
+def _sample_loop(ref: weakref.ReferenceType[AdaptiveTeam], stop: threading.Event, period_s: float) -> None:
+    """AdaptiveTeam's sampler thread; it ends with `stop` or when the team is gone (an engine
+    dropped without close() leaves no thread behind)."""
+    on_helper_thread()
+    while not stop.wait(period_s):
+        team = ref()
+        if team is None:
+            return
+        try:
+            team._sample(team._clock())
+        except Exception:  # a failed reading must not end the sampling
+            logger.exception("reading the compute CPUs' load failed")
+        del team
 
 
 def _pin_and_size(cpus: tuple[int, ...], spread: int | None) -> dict[int, int] | None:

@@ -190,6 +190,84 @@ def test_adaptive_team_shrinks_for_small_steps_while_a_cpu_is_taken_and_grows_ba
     assert not threads.dynamic_rows_active()
 
 
+def _team_on(m: _Machine, lock, interval_s: float) -> AdaptiveTeam:
+    def locked(f):
+        def g(*a):
+            with lock:
+                return f(*a)
+
+        return g
+
+    team = AdaptiveTeam(
+        ThreadPlan(2, (0, 1), (0, 1), "test"),
+        interval_s=interval_s,
+        clock=locked(lambda: m.t),
+        cpu_busy=locked(lambda cpus: dict(m.busy)),
+        thread_ticks=locked(lambda tid: m.thread[tid]),
+        pin=m.pin,
+    )
+    team._hz = 100
+    return team
+
+
+def _wait_for_samples(team: AdaptiveTeam, n: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30  # waits for the sampler thread; not a timing bound
+    while team.num_samples < n:
+        assert time.monotonic() < deadline, "the sampler thread took no readings"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("sampler", [False, True])
+def test_first_step_after_an_idle_spell_sees_the_last_interval_with_the_sampler(sampler):
+    """A neighbour busy on one CPU while the engine idled, gone before the next step (vLLM's
+    benchmark client starting up, say). Without the sampler thread the step's reading covers the
+    whole spell and the step takes the contended paths; with it, the reading is the last
+    interval's, and the step runs as on a quiet machine."""
+    import threading
+
+    m, lock = _Machine(), threading.Lock()
+    team = _team_on(m, lock, interval_s=0.25 if not sampler else 0.01)
+    if sampler:
+        team.start_sampler()
+    try:
+        team.before_step(16)  # learns the team; without the sampler, the first reading
+        _wait_for_samples(team, 1)
+        with lock:
+            m.advance(5.0, ours={}, others=1.0)  # idle, the neighbour busy on a CPU
+        if sampler:
+            _wait_for_samples(team, team.num_samples + 2)
+            assert team.cpus_taken == 1  # while it runs, the sampler sees it
+        with lock:
+            m.advance(0.25, ours={}, others=0.0)  # the neighbour ends; requests arrive
+        if sampler:
+            _wait_for_samples(team, team.num_samples + 2)
+        team.before_step(896)
+        if sampler:
+            assert team.cpus_taken == 0 and not threads.dynamic_rows_active() and team.num_threads == 2
+        else:
+            assert team.cpus_taken == 1 and threads.dynamic_rows_active()  # what the sampler fixes
+    finally:
+        team.stop_sampler()
+        threads.set_dynamic_rows(False)
+
+
+def test_sampler_thread_ends_with_its_team():
+    import gc
+    import threading
+
+    m, lock = _Machine(), threading.Lock()
+    team = _team_on(m, lock, interval_s=0.01)
+    team.start_sampler()
+    thread = team._sampler
+    assert thread is not None and thread.is_alive()
+    del team
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+
+
 def test_run_dynamic_runs_every_block_once_on_the_team_and_reraises():
     import threading
 

@@ -134,6 +134,7 @@ class EngineCore:
             from kvtier import threads
 
             self.team = threads.AdaptiveTeam(self.thread_plan)
+            self.team.start_sampler()
         self.runner = runner or ModelRunner(
             mc.model,
             dtype=mc.dtype,
@@ -611,6 +612,8 @@ class EngineCore:
         return n
 
     def close(self) -> None:
+        if self.team is not None:
+            self.team.stop_sampler()
         if self.tiers is not None:
             self.tiers.close()
         if self._mask_pool is not None:
