@@ -455,7 +455,7 @@ def run_dynamic(num_blocks: int, body: Callable[[int], None], num_threads: int |
 class AdaptiveTeam:
     """Shrinks the compute team when other processes take compute CPUs, and grows it back.
 
-    Every `interval_s` it reads the compute CPUs' busy time (/proc/stat) and subtracts this
+    Every so often (below) it reads the compute CPUs' busy time (/proc/stat) and subtracts this
     process's compute threads' time (/proc/self/task): what is left is other processes', in
     CPUs' worth. When that reaches `threshold` of a CPU (m CPUs taken), small steps (decode:
     many short parallel regions, each ending in a barrier that would wait a whole time slice for
@@ -560,7 +560,7 @@ class AdaptiveTeam:
         if not self.enabled or self._sampler is not None:
             return
         self._window_s = window_s
-        self._stop = threading.Event()
+        self._stop.clear()
         self._sampler = threading.Thread(
             target=_sample_loop,
             args=(weakref.ref(self), self._stop, period_s),
