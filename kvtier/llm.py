@@ -30,6 +30,10 @@ class LLM:
     `kv_cache_dtype` stores cached tokens as 'auto' (the model dtype), 'bfloat16', 'float16',
     'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte per value plus per-block scales: ~2x the
     tokens per byte of bfloat16, on the device and in every tier).
+    `kv_master_key_file` (with `remote_cache_url`): fleet keys, as `kvtier serve
+    --kv-master-key-file` (kvtier.tiers.keyring); a key other than the one the instances sharing
+    the Redis use raises KeyDomainError. `kv_key_check_interval_s`: how long a cached data key
+    is used before it is re-read (a purge made elsewhere reaches this engine within it).
     """
 
     def __init__(
@@ -60,6 +64,8 @@ class LLM:
         cache_compression: str | None = None,
         restore_policy: str = "cost",
         kv_key_dir: str | None = None,
+        kv_master_key_file: str | None = None,
+        kv_key_check_interval_s: float = 1.0,
         tier_faults: dict[str, str] | None = None,
         kv_cache_dtype: str = "auto",
         kv_drift_sample_rate: float = 0.0,
@@ -105,6 +111,8 @@ class LLM:
                 compression=cache_compression,
                 restore_policy=restore_policy,
                 key_dir=kv_key_dir,
+                master_key_file=kv_master_key_file,
+                key_check_interval_s=kv_key_check_interval_s,
                 faults=tuple(sorted((tier_faults or {}).items())),
             ),
             drift=DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed),

@@ -40,8 +40,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    """'stop', 'length', 'abort', or None while running."""
+    """'stop', 'length', 'abort', 'error', or None while running."""
     stop_reason: int | str | None = None
+    """What ended it: the stop string or stop token id; for finish_reason 'error', why (e.g.
+    "structured_outputs: the grammar failed while decoding: ...", short, no backtrace)."""
     logprobs: list[dict[int, Logprob]] | None = None
     """Per generated token: token id -> Logprob, the sampled token and the top-k."""
     cumulative_logprob: float | None = None

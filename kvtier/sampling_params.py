@@ -59,6 +59,10 @@ class SamplingParams:
 
     MAX_N = 128
     MAX_LOGPROBS = 20
+    MAX_INT = (1 << 31) - 1
+    """The bound of every count and token id (max_tokens, top_k, min_tokens, ...)."""
+    MAX_BAD_WORDS = 1024
+    """Distinct `bad_words` one request may give (each costs two tokenizations)."""
 
     def __post_init__(self) -> None:
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
@@ -69,58 +73,83 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        if not isinstance(self.n, int) or not 1 <= self.n <= self.MAX_N:
+        """A ValueError naming the first field out of range or of the wrong type: integers are
+        ints (not bools) within [.., MAX_INT] (the seed within 64 bits), floats finite and in
+        range, token ids in [0, MAX_INT] (the engine checks them against its vocabulary)."""
+        if not _is_int(self.n) or not 1 <= self.n <= self.MAX_N:
             raise ValueError(f"n must be an integer in [1, {self.MAX_N}], got {self.n!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= self.MAX_INT):
+            raise ValueError(f"max_tokens must be an integer in [1, {self.MAX_INT}], got {_short(self.max_tokens)}")
+        if self.seed is not None and (not _is_int(self.seed) or not -(1 << 63) <= self.seed < 1 << 63):
+            raise ValueError(f"seed must be a 64-bit integer, got {_short(self.seed)}")
         if (
-            not isinstance(self.temperature, (int, float))
+            not _is_number(self.temperature)
             or not 0.0 <= self.temperature <= 100.0
             or self.temperature != self.temperature
         ):
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= self.MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {_short(self.top_p)}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= self.MAX_INT:
+            raise ValueError(
+                f"top_k must be -1, 0 (disabled) or a positive integer up to {self.MAX_INT}, got {_short(self.top_k)}"
+            )
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {_short(self.min_p)}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= self.MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {self.MAX_LOGPROBS}], got {_short(self.logprobs)}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.MAX_INT:
+            raise ValueError(f"min_tokens must be an integer in [0, {self.MAX_INT}], got {_short(self.min_tokens)}")
         if not isinstance(self.stop, list) or any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        self._check_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v!r}")
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {_short(v)}")
         rp = self.repetition_penalty
-        if not isinstance(rp, (int, float)) or not 0.0 < rp <= 100.0:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {rp!r}")
+        if not _is_number(rp) or not 0.0 < rp <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {_short(rp)}")
         if self.logit_bias is not None:
             try:
-                self.logit_bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+                bias = {_digits_as_int(k): v for k, v in dict(self.logit_bias).items()}
             except (TypeError, ValueError):
                 raise ValueError("logit_bias must map token ids to numbers") from None
-            bad = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
+            self._check_token_ids("logit_bias", list(bias))
+            bad = [v for v in bias.values() if not _is_number(v) or not -100.0 <= v <= 100.0]
             if bad:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad[0]!r}")
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {_short(bad[0])}")
+            self.logit_bias = {k: float(v) for k, v in bias.items()}
         if self.allowed_token_ids is not None:
             ids = list(self.allowed_token_ids)
-            if not ids or any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            if not ids:
                 raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+            self._check_token_ids("allowed_token_ids", ids)
             self.allowed_token_ids = ids
         if self.bad_words is not None:
             if isinstance(self.bad_words, str) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
                 raise ValueError("bad_words must be a list of non-empty strings")
-            self.bad_words = list(self.bad_words)
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # distinct, in order
+            if len(self.bad_words) > self.MAX_BAD_WORDS:
+                raise ValueError(
+                    f"bad_words has {len(self.bad_words)} distinct words; at most {self.MAX_BAD_WORDS} are allowed"
+                )
+        if self.bad_words_token_ids is not None:
+            words = [list(w) for w in self.bad_words_token_ids]
+            for w in words:
+                self._check_token_ids("bad_words", w)
+            self.bad_words_token_ids = [w for w in words if w]
         t = self.truncate_prompt_tokens
-        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or (t < 1 and t != -1)):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {t!r}")
+        if t is not None and (not _is_int(t) or (t < 1 and t != -1) or t > self.MAX_INT):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or a positive integer, got {_short(t)}")
         pl = self.prompt_logprobs
-        if pl is not None and (not isinstance(pl, int) or isinstance(pl, bool) or not 0 <= pl <= self.MAX_LOGPROBS):
-            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {pl!r}")
+        if pl is not None and (not _is_int(pl) or not 0 <= pl <= self.MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be in [0, {self.MAX_LOGPROBS}], got {_short(pl)}")
+
+    def _check_token_ids(self, name: str, ids: list[Any] | None) -> None:
+        bad = next((t for t in ids or () if not _is_int(t) or not 0 <= t <= self.MAX_INT), None)
+        if bad is not None:
+            raise ValueError(f"{name}: {_short(bad)} is not a token id (an integer in [0, {self.MAX_INT}])")
 
     @property
     def processes_logits(self) -> bool:
@@ -144,6 +173,30 @@ class SamplingParams:
 
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _digits_as_int(key: Any) -> Any:
+    """A logit_bias key of ASCII decimal digits (JSON's shape) as an int; anything else as is."""
+    if isinstance(key, str) and 0 < len(key) <= 10 and key.isascii() and key.isdigit():
+        return int(key)
+    return key
+
+
+def _is_number(value: Any) -> bool:
+    """A real number (bools are not), NaN included: the range checks refuse NaN."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut to 40 characters (a 4,300-digit integer stays readable)."""
+    if isinstance(value, int) and abs(value) >= 1 << 128:  # str() of a huge int is slow, or refused
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 GENERATION_CONFIG_KEYS = {

@@ -30,6 +30,35 @@ from kvtier.sim.config import TierSpeeds
 from kvtier.tiers.hierarchy import TIER_ORDER as TIERS
 from kvtier.tiers.hierarchy import WRITE_POLICIES
 
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _rate(text: str) -> str:
+    """--rate-limit-per-key: checked here, parsed by the server (kvtier.server.http_limits)."""
+    from kvtier.server.http_limits import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 _SPEEDS = TierSpeeds()
 """The simulator's default speeds: `kvtier simulate`'s flags start from them."""
 
@@ -469,6 +498,7 @@ def _serve(args: argparse.Namespace) -> int:
         model_aliases=names[1:],
         allowed_origins=args.allowed_origins,
         enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+        trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser,
         structured_defaults=tuple(sorted(args.structured_outputs_config.items())),
         sampling_defaults=tuple(sorted(defaults.items())),
@@ -480,6 +510,14 @@ def _serve(args: argparse.Namespace) -> int:
         admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
         metrics_auth=args.metrics_auth,
         models_auth=args.models_auth or ("api_key" if args.api_key else "public"),
+        strict_request_fields=args.strict_request_fields,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        stream_stall_timeout_s=args.stream_stall_timeout_s,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        rate_limit_per_key=args.rate_limit_per_key,
+        rate_limit_pace_s=args.rate_limit_pace_s,
     )
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
     if args.api_key:
@@ -604,6 +642,7 @@ def _simulate(args: argparse.Namespace) -> int:
         host_bytes=args.host_bytes,
         disk_blocks=args.disk_blocks,
         disk_bytes=args.disk_bytes,
+        disk_alloc_bytes=args.disk_alloc_bytes,
         write_policy=args.write_policy,
         selective_min_hits=args.selective_min_hits,
         restore_policy=args.restore_policy,
@@ -850,6 +889,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a Jinja chat template (a file, or the template itself) in place of the model's",
     )
     s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry their own chat_template (chat completions, /tokenize), as "
+        "vLLM's flag; rendered in a sandbox bounded in size, loops and time. Off: a 400",
+    )
+    s.add_argument(
         "--structured-outputs-config",
         type=_structured_config,
         default={},
@@ -886,7 +931,65 @@ def build_parser() -> argparse.ArgumentParser:
         type=size,
         default=4 << 20,
         metavar="SIZE",
-        help="larger request bodies get a 413 (default 4MiB)",
+        help="larger request bodies get a 413 (default 4MiB); a larger declared "
+        "Content-Length is answered at once, the body unread",
+    )
+    s.add_argument(
+        "--header-timeout-s",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="S",
+        help="a connection that has not sent a complete request head within S seconds is closed (default 10; 0: none)",
+    )
+    s.add_argument(
+        "--body-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="a request body that stalls S seconds between chunks gets a 408 (default 30; 0: none)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="open connections at most; more get a 503 and are closed at once (default "
+        "min(RLIMIT_NOFILE - 64, 4096), the soft limit raised to the hard one; 0: none)",
+    )
+    s.add_argument(
+        "--stream-stall-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="a stream whose client reads nothing for S seconds is aborted and its KV "
+        "blocks freed (default 30; 0: none)",
+    )
+    s.add_argument(
+        "--max-concurrent-requests-per-key",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="requests in flight per API key (per client address without one, or without "
+        "--api-key/--api-keys, where any key passes), streams "
+        "until they end; more get a 429 with Retry-After (default 0: unbounded)",
+    )
+    s.add_argument(
+        "--rate-limit-per-key",
+        type=_rate,
+        default="0",
+        metavar="RATE",
+        help="a token bucket per API key (as --max-concurrent-requests-per-key): RATE requests per "
+        "second, or RATE/s:burst=N (burst default ceil(RATE)); over it a 429 with "
+        "Retry-After (default 0: none)",
+    )
+    s.add_argument(
+        "--rate-limit-pace-s",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="S",
+        help="hold a per-key 429 this long (never past its Retry-After) before sending it, so a "
+        "client that retries at once gets one answer per connection per S, not a tight loop "
+        "(default 1; 0: answer at once)",
     )
     s.add_argument(
         "--max-prompts-per-request",
@@ -902,6 +1005,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="a request asking for more sequences (prompts x n) gets a 400 (default 256)",
+    )
+    s.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="a completions/chat request with a field the server does not know (e.g. a misspelt "
+        "'max_token') gets a 400 naming it; by default the field is ignored and logged as a warning",
     )
     s.add_argument(
         "--log-level",
@@ -1043,6 +1152,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="disk tier capacity in bytes; an entry is a block plus a 100-byte header",
+    )
+    m.add_argument(
+        "--disk-alloc-bytes",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="the disk file system's allocation unit: an entry costs whole units, as the disk tier counts it (default 4096)",
     )
     m.add_argument(
         "--write-policy",

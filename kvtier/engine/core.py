@@ -256,22 +256,28 @@ class EngineCore:
         return ids[-keep:]
 
     def _check_logits_params(self, params: SamplingParams) -> None:
-        """Token ids in range; bad_words tokenized (vLLM's way: with and without a leading space)."""
-        for name in ("logit_bias", "allowed_token_ids"):
-            ids = getattr(params, name)
-            bad = [t for t in (ids or ()) if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        """Token ids in the vocabulary (logit_bias, allowed_token_ids, stop_token_ids, tokenized
+        bad words); bad_words tokenized unless the caller (the API server) already did (vLLM's
+        way: with and without a leading space; `tokenize_bad_words`, one linear pass)."""
+        from kvtier.model.sampler import tokenize_bad_words
+
+        vocab = self.vocab_size
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
+            bad = next((t for t in getattr(params, name) or () if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.allowed_token_ids is not None and len(params.allowed_token_ids) > vocab:
+            params.allowed_token_ids = list(dict.fromkeys(params.allowed_token_ids))
         if params.bad_words and params.bad_words_token_ids is None:
-            if self.tokenizer is None:
+            tokenizer = self.tokenizer
+            if tokenizer is None:
                 raise ValueError("bad_words needs a tokenizer; this model has none (use logit_bias)")
-            words: list[list[int]] = []
-            for word in params.bad_words:
-                for text in (word.lstrip(), " " + word.lstrip()):
-                    ids = self.tokenizer.encode(text, add_special_tokens=False)
-                    if ids and ids not in words:
-                        words.append(ids)
-            params.bad_words_token_ids = words
+            params.bad_words_token_ids = tokenize_bad_words(
+                params.bad_words, lambda text: tokenizer.encode(text, add_special_tokens=False)
+            )
+        bad = next((t for w in params.bad_words_token_ids or () for t in w if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"bad_words: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _check_prompt(self, prompt_token_ids: Iterable[int]) -> list[int]:
         try:
@@ -415,7 +421,8 @@ class EngineCore:
 
     def _grammar_masks(self, out: SchedulerOutput) -> Future | None:
         """The allowed-token masks of the step's sampled sequences under a grammar, computed on
-        a helper thread (llguidance lets go of the GIL) while the forward pass runs."""
+        a helper thread (llguidance lets go of the GIL) while the forward pass runs. A grammar
+        in error (its mask all False) leaves its row unmasked: its token is refused in _record."""
         jobs = []
         for seq in out.seqs:
             if not seq.sample:
@@ -441,6 +448,9 @@ class EngineCore:
 
         def masks() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
             rows = allowed_masks([m for _, m in jobs])
+            # a grammar in error allows nothing: sample that row unmasked rather than from an
+            # all-masked row (NaN under -inf); _record then ends it with finish_reason "error"
+            rows[~rows.any(dim=1)] = True
             bias = mask_bias(rows)  # the sampler adds it: cheaper than masked_fill on the CPU
             return {rid: (rows[i], bias[i]) for i, (rid, _) in enumerate(jobs)}
 
@@ -732,12 +742,20 @@ class EngineCore:
         i = req.sample_index
         matcher = group.matchers[i]
         if matcher is not None and group.finish[i] is None and (not matcher.consume(s.token_id) or matcher.done):
-            # complete (nothing may follow but EOS) or, never expected with the mask
-            # applied, a token the grammar refused: the sequence ends here
-            if matcher.error:
-                logger.warning("request %s: grammar refused token %d: %s", req.req_id, s.token_id, matcher.error)
-            group.finish[i] = "stop"
-            self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
+            # complete (nothing may follow but EOS): "stop". Or the grammar failed: llguidance
+            # gave up on it (too complex to follow) or, with its mask all False once in error,
+            # the sampled token was refused: "error", the reason in stop_reason, never "stop"
+            error = matcher.error
+            if error is None and not matcher.done:
+                error = f"token {s.token_id} was refused"
+            if error is not None:
+                logger.warning("request %s: structured output failed: %s", req.req_id, error)
+                group.finish[i] = RequestStatus.FINISHED_ERROR.value
+                group.stop_reasons[i] = f"structured_outputs: the grammar failed while decoding: {error}"
+                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_ERROR)
+            else:
+                group.finish[i] = "stop"
+                self.scheduler.finish_request(req.req_id, RequestStatus.FINISHED_STOPPED)
         st = self.step_stats
         st.num_generation_tokens += 1
         if i == 0 and len(req.output_token_ids) == 1:

@@ -8,6 +8,7 @@ temperature and truncation), as in vLLM.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -93,11 +94,7 @@ def process_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         keep[ids] = logits[ids]
         logits = keep
     if sp.bad_words_token_ids:
-        banned = [
-            w[-1]
-            for w in sp.bad_words_token_ids
-            if len(w) == 1 or (len(out_ids) >= len(w) - 1 and out_ids[len(out_ids) - len(w) + 1 :] == w[:-1])
-        ]
+        banned = bad_words_index(sp).banned(out_ids)
         if banned:
             logits[banned] = float("-inf")
     if sp.repetition_penalty != 1.0 or sp.frequency_penalty or sp.presence_penalty:
@@ -117,6 +114,56 @@ def process_row(logits: torch.Tensor, row: SampleRow) -> torch.Tensor:
         if sp.presence_penalty:
             logits -= sp.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def tokenize_bad_words(words: Iterable[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each distinct word, stripped of leading space,
+    encoded as is and with one leading space; empty and repeated sequences dropped. One pass:
+    two encodes per distinct word, duplicates found by hashing (no list scan)."""
+    seen: set[tuple[int, ...]] = set()
+    out: list[list[int]] = []
+    for word in dict.fromkeys(w.lstrip() for w in words):
+        for text in (word, " " + word):
+            ids = tuple(encode(text))
+            if ids and ids not in seen:
+                seen.add(ids)
+                out.append(list(ids))
+    return out
+
+
+class BadWordsIndex:
+    """Bad words' token sequences by what must come before their last token, so that a step
+    looks up the output's tail once per distinct prefix length instead of comparing every word:
+    `banned(output)` is the tokens that would complete a bad word next."""
+
+    def __init__(self, words: list[list[int]]) -> None:
+        self.source = words
+        self.always: list[int] = sorted({w[0] for w in words if len(w) == 1})
+        self.by_prefix: dict[tuple[int, ...], set[int]] = {}
+        for w in words:
+            if len(w) > 1:
+                self.by_prefix.setdefault(tuple(w[:-1]), set()).add(w[-1])
+        self.prefix_lengths = sorted({len(p) for p in self.by_prefix})
+
+    def banned(self, output: list[int]) -> list[int]:
+        out = set(self.always)
+        for n in self.prefix_lengths:
+            if n > len(output):
+                break
+            last = self.by_prefix.get(tuple(output[len(output) - n :]))
+            if last:
+                out |= last
+        return sorted(out)
+
+
+def bad_words_index(sp: SamplingParams) -> BadWordsIndex:
+    """`sp.bad_words_token_ids` indexed, built once per SamplingParams (kept in its __dict__,
+    which asdict and replace do not copy; rebuilt if the list is replaced)."""
+    words = sp.bad_words_token_ids or []
+    index = sp.__dict__.get("_bad_words_index")
+    if index is None or index.source is not words:
+        index = sp.__dict__["_bad_words_index"] = BadWordsIndex(words)
+    return index
 
 
 def _filter(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -7,14 +7,19 @@ template, configured like transformers renders it, so no transformers import is 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
 import math
 import re
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from jinja2 import Template
@@ -147,12 +152,20 @@ class Tokenizer:
         *,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        limits: RenderLimits | None = None,
         **kwargs: Any,
     ) -> str:
         """The conversation rendered by the model's chat template (or `chat_template`, a Jinja
         string given with the request). `continue_final_message` ends the text inside the
         last message (an assistant turn to be continued), as transformers does: rendered
-        without a generation prompt and cut after that message's content."""
+        without a generation prompt and cut after that message's content.
+
+        Every render is bounded by `limits` (default RenderLimits()): a template that builds a
+        value or output over `max_chars`, iterates `range` over `max_range_items` in all, or
+        runs past `timeout_s` raises jinja2's SecurityError (a TemplateError). A request's
+        `chat_template` is untrusted: its render is also interrupted mid-loop at the deadline
+        (a line tracer on this thread while it renders). `kwargs` naming a render variable or
+        a template global (RESERVED_TEMPLATE_NAMES) raise TokenizerError."""
         template = chat_template if chat_template is not None else self.chat_template
         if not template:
             raise TokenizerError(
@@ -165,14 +178,13 @@ class Tokenizer:
                 "true: a conversation either continues the last message or "
                 "starts a new turn"
             )
+        clash = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
+        if clash:
+            raise TokenizerError(
+                f"chat_template_kwargs cannot set {', '.join(clash)}: the chat template's own variables"
+            )
         validate_messages(messages)
-        if chat_template is None:
-            if self._compiled is None:
-                self._compiled = _jinja_env().from_string(template)  # template is self.chat_template
-            compiled = self._compiled
-        else:
-            compiled = _jinja_env().from_string(chat_template)
-        text = compiled.render(
+        variables = dict(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
@@ -180,6 +192,15 @@ class Tokenizer:
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        with _rendering(limits or RenderLimits(), untrusted=chat_template is not None) as budget:
+            if chat_template is None:
+                if self._compiled is None:
+                    self._compiled = _jinja_env().from_string(template)  # template is self.chat_template
+                compiled = self._compiled
+            else:
+                with _template_faults():
+                    compiled = _jinja_env(untrusted=True).from_string(chat_template)
+            text = budget.render(compiled, variables)
         if continue_final_message:
             final = messages[-1].get("content") if messages else None
             if not isinstance(final, str) or not final.strip():
@@ -259,10 +280,287 @@ def validate_messages(messages: Any) -> None:
             raise TokenizerError(f"message {i}: role must be a string")
 
 
-def _jinja_env() -> ImmutableSandboxedEnvironment:
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "tools",
+        "bos_token",
+        "eos_token",
+        "chat_template",
+        "continue_final_message",
+        "limits",
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "dict",
+        "namespace",
+        "cycler",
+        "joiner",
+        "lipsum",
+    }
+)
+"""Names chat_template_kwargs may not set: apply_chat_template's arguments, the variables it
+renders with and the template's globals (a kwarg would replace them, e.g. the budgeted range)."""
+
+
+@dataclass(frozen=True)
+class RenderLimits:
+    """Bounds on one chat-template render (see Tokenizer.apply_chat_template)."""
+
+    max_chars: int = 4 << 20
+    """The longest string, list or int (in digits, roughly) a template may build, and the
+    longest text it may render."""
+    max_range_items: int = 1_000_000
+    """Items all of a render's `range` calls may produce together (nested loops multiply)."""
+    timeout_s: float = 2.0
+    """Wall-clock seconds one render (compile included) may take."""
+    clock: Callable[[], float] = field(default=time.monotonic, compare=False)
+    """Where time is read (injectable for tests)."""
+
+
+class _Budget:
+    """One render's state: what is left of its `range` items and its deadline."""
+
+    def __init__(self, limits: RenderLimits) -> None:
+        self.limits = limits
+        self.range_left = limits.max_range_items
+        self.deadline = limits.clock() + limits.timeout_s
+
+    def fail(self, what: str) -> NoReturn:
+        from jinja2.sandbox import SecurityError
+
+        raise SecurityError(f"the chat template {what}")
+
+    def check_time(self) -> None:
+        if self.limits.clock() > self.deadline:
+            self.fail(f"ran past its {self.limits.timeout_s:g} s limit")
+
+    def check_size(self, n: int, what: str = "a value") -> None:
+        if n > self.limits.max_chars:
+            self.fail(f"built {what} over {self.limits.max_chars} items (chars)")
+
+    def checked(self, value: Any) -> Any:
+        """`value`, refused when it is a string/list/int over the size cap."""
+        self.check_size(_size(value, self.limits.max_chars))
+        return value
+
+    def range(self, *args: Any) -> range:
+        r = range(*args)
+        self.range_left -= len(r)
+        if self.range_left < 0:
+            self.fail(f"iterated range() over {self.limits.max_range_items} items in all")
+        self.check_time()
+        return r
+
+    def check_args(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Refuse integer arguments over the size cap (widths, counts: "x".ljust(10**9),
+        center(10**9)) before the call allocates anything."""
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, int) and abs(a) > self.limits.max_chars:
+                self.fail(f"passed {a} where at most {self.limits.max_chars} is allowed")
+
+    def check_format(self, fmt: Any) -> None:
+        """Refuse a %- or str.format format string with a width or precision over 6 digits."""
+        if isinstance(fmt, str) and _HUGE_FIELD.search(fmt):
+            self.fail("used a format width or precision over 6 digits")
+
+    def binop(self, op: str, left: Any, right: Any) -> None:
+        """Refuse `left op right` when its result would be over the size cap, before it is computed."""
+        cap = self.limits.max_chars
+        if op == "*":
+            if isinstance(left, int) and not isinstance(right, int):
+                left, right = right, left
+            if isinstance(right, int) and not isinstance(left, (int, float)):
+                self.check_size(_size(left, cap) * max(right, 0))
+            elif isinstance(left, int) and isinstance(right, int):
+                self.check_size((left.bit_length() + right.bit_length()) // 3, "a number")
+        elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            self.check_size(left.bit_length() * min(right, cap + 1) // 3, "a number")
+        elif op == "+" and not isinstance(left, (int, float)):
+            self.check_size(_size(left, cap) + _size(right, cap))
+        elif op == "%" and isinstance(left, str):
+            self.check_format(left)
+            self.check_args(right if isinstance(right, tuple) else (right,), {})
+        self.check_time()
+
+    def render(self, compiled: Any, variables: dict[str, Any]) -> str:
+        """compiled's text for `variables`, refused once it grows over the size cap; errors the
+        template causes (a division by zero, a bad operand, runaway recursion) become
+        TemplateError so they are the template's fault, not the server's."""
+        parts, total = [], 0
+        with _template_faults():
+            for part in compiled.generate(variables):
+                total += len(part)
+                self.check_size(total, "a text")
+                self.check_time()
+                parts.append(part)
+        return "".join(parts)
+
+
+@contextlib.contextmanager
+def _template_faults() -> Iterator[None]:
+    """Errors a template's own code causes while it compiles or renders (a division by zero, a
+    bad operand, nesting or recursion too deep) raised as TemplateError: the template's fault."""
+    from jinja2 import TemplateError
+
+    try:
+        yield
+    except TemplateError:
+        raise
+    except (ArithmeticError, LookupError, TypeError, ValueError, AttributeError, RecursionError, SyntaxError) as e:
+        raise TemplateError(f"{type(e).__name__}: {e}") from None
+
+
+_HUGE_FIELD = re.compile(r"%[-#0 +]*\d*\.?\d{7,}|%[-#0 +]*\*|\{[^{}]*:[^{}]*\d{7,}")
+"""A %-format or str.format field with a width or precision of 7+ digits (or a `*` width)."""
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("kvtier_template_budget", default=None)
+
+
+def _size(value: Any, cap: int) -> int:
+    """Roughly how many items (chars, elements, digits) `value` holds, counting the strings inside
+    lists, tuples and dicts; stops counting past `cap`."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, bool):
+        return 1
+    if isinstance(value, int):
+        return value.bit_length() // 3
+    if isinstance(value, dict):
+        value = [*value.keys(), *value.values()]
+    if isinstance(value, (list, tuple)):
+        n = len(value)
+        for item in value:
+            if n > cap:
+                break
+            if isinstance(item, (str, list, tuple, dict)):
+                n += _size(item, cap - n)
+        return n
+    return 1
+
+
+def _budget() -> _Budget:
+    """The current render's budget (a fresh default one outside a render: compiling folds
+    constant filter calls, and those are bounded too)."""
+    return _BUDGET.get() or _Budget(RenderLimits())
+
+
+class _rendering:
+    """Context manager: `budget` is the current render's (in this thread) for its duration;
+    `untrusted` also installs a line tracer on template code that raises at the deadline, so a
+    request's template cannot loop past it (the model's own template, trusted, skips the
+    tracer's cost and is checked at each call, operator, range and output chunk)."""
+
+    YIELD_EVERY_S = 0.002
+    YIELD_S = 0.0005
+    """A request's template yields the GIL for YIELD_S after each YIELD_EVERY_S of rendering:
+    a pure-Python loop otherwise holds it for whole switch intervals (5 ms) each time the
+    event loop or the engine thread (in-process engine) wants it back, and they crawl behind
+    it (16x the latency of the other clients before this; see docs/benchmarks.md, session 28)."""
+
+    def __init__(self, limits: RenderLimits, untrusted: bool) -> None:
+        self.budget = _Budget(limits)
+        self.untrusted = untrusted
+        self._next_yield = time.perf_counter() + self.YIELD_EVERY_S
+
+    def __enter__(self) -> _Budget:
+        self._token = _BUDGET.set(self.budget)
+        if self.untrusted:
+            self._previous = sys.gettrace()
+            sys.settrace(self._trace)
+        return self.budget
+
+    def __exit__(self, *exc: object) -> None:
+        if self.untrusted:
+            sys.settrace(self._previous)
+        _BUDGET.reset(self._token)
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != "<template>":
+            return None
+        self.budget.check_time()
+        return self._trace_lines
+
+    def _trace_lines(self, frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.budget.check_time()
+            if time.perf_counter() >= self._next_yield:
+                time.sleep(self.YIELD_S)  # the GIL to whoever waits for it (wall time: not the budget's clock)
+                self._next_yield = time.perf_counter() + self.YIELD_EVERY_S
+        return self._trace_lines
+
+
+@functools.cache
+def _env_class() -> type[ImmutableSandboxedEnvironment]:
+    """The bounded sandbox: ImmutableSandboxedEnvironment whose `*`, `**`, `+`, `%`, `~`, calls
+    and filters check the current render's _Budget (sizes before and after, the deadline)."""
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generator(CodeGenerator):
+        def visit_Concat(self, node: Any, frame: Any) -> None:  # `~`: str_join, bounded
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**", "%"})
+        code_generator_class = _Generator
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            budget = _budget()
+            if operator == "+" and type(left) is str and type(right) is str:  # the common case, kept fast
+                budget.check_size(len(left) + len(right))
+                return left + right
+            budget.binop(operator, left, right)
+            return budget.checked(super().call_binop(context, operator, left, right))
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            budget = _budget()
+            if __obj is not _budgeted_range:
+                budget.check_args(args, kwargs)
+                budget.check_time()
+                if getattr(__obj, "__name__", None) in ("format", "format_map"):
+                    budget.check_format(getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None))
+            return budget.checked(super().call(__context, __obj, *args, **kwargs))
+
+        def bounded_concat(self, parts: Sequence[Any]) -> str:
+            budget = _budget()
+            texts = [str(p) for p in parts]
+            budget.check_size(sum(map(len, texts)), "a text")
+            return "".join(texts)
+
+    return BoundedSandbox
+
+
+def _bounded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a filter) refusing integer arguments and results over the size cap, and (the
+    `format` filter) huge format widths; past the deadline it raises."""
+    from jinja2.utils import _PassArg
+
+    skip = 1 if _PassArg.from_obj(fn) is None else 2  # the value (after the context/environment)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        budget = _budget()
+        budget.check_args(args[skip:], kwargs)
+        if name == "format" and len(args) >= skip:
+            budget.check_format(args[skip - 1])
+        budget.check_time()
+        return budget.checked(fn(*args, **kwargs))
+
+    return wrapper
+
+
+def _jinja_env(untrusted: bool = False) -> ImmutableSandboxedEnvironment:
+    """The bounded sandbox, configured like transformers'. `untrusted` (a request's template)
+    also intercepts `+`: the model's own template concatenates message text with `+` on its
+    common path, and a trusted template does not double strings in a loop."""
     from jinja2.exceptions import TemplateError
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
@@ -272,11 +570,21 @@ def _jinja_env() -> ImmutableSandboxedEnvironment:
     ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _env_class()(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    if untrusted:
+        env.intercepted_binops = env.intercepted_binops | {"+"}
     env.filters["tojson"] = tojson
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
+    env.globals.pop("lipsum", None)  # lipsum(n=10**9) loops outside the template's code
+    env.globals["range"] = _budgeted_range
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+def _budgeted_range(*args: Any) -> range:
+    """range() for templates: its items count against the render's budget."""
+    return _budget().range(*args)
 
 
 BYTE_CHAT_TEMPLATE = (
@@ -320,3 +628,40 @@ def build_byte_tokenizer(out_dir: str | Path) -> int:
         )
     )
     return tok.get_vocab_size(with_added_tokens=True)
+
+
+class _TemplateHost:
+    """What Tokenizer.apply_chat_template reads of its tokenizer, for a request's template
+    rendered away from the tokenizer (render_request_template)."""
+
+    chat_template: str | None = None
+    _compiled: Any = None
+
+    def __init__(self, bos_token: str | None, eos_token: str | None) -> None:
+        self.bos_token, self.eos_token = bos_token, eos_token
+
+
+def render_request_template(
+    chat_template: str,
+    bos_token: str | None,
+    eos_token: str | None,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    tools: list[dict] | None,
+    continue_final_message: bool,
+    limits: RenderLimits | None,
+    kwargs: dict[str, Any],
+) -> str:
+    """Tokenizer.apply_chat_template for a request's own `chat_template`, from its inputs alone
+    (picklable: what a template worker process runs, kvtier.server.template_procs)."""
+    host: Any = _TemplateHost(bos_token, eos_token)
+    return Tokenizer.apply_chat_template(
+        host,
+        messages,
+        add_generation_prompt,
+        tools,
+        chat_template=chat_template,
+        continue_final_message=continue_final_message,
+        limits=limits,
+        **kwargs,
+    )

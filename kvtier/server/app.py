@@ -16,22 +16,34 @@ and no stack trace; anything else is a 500 in the same shape (the trace goes to 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from prometheus_client import Counter
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from kvtier.server.async_engine import AsyncEngine
-from kvtier.server.metrics import ServerMetrics
+from kvtier.server.http_limits import (
+    HTTPLimits,
+    KeyLimiter,
+    RateLimited,
+    default_max_connections,
+    install_accept_error_filter,
+    limited_h11_protocol,
+    parse_rate,
+    raise_nofile_limit,
+)
+from kvtier.server.metrics import PREFIX, ServerMetrics
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -39,7 +51,13 @@ from kvtier.server.protocol import (
     parse_json_object,
     validation_error,
 )
-from kvtier.server.serving import ClientGone, OpenAIServing, RequestLimits, valid_request_id
+from kvtier.server.serving import (
+    ClientGone,
+    OpenAIServing,
+    RequestLimits,
+    _CleanupStreamingResponse,
+    valid_request_id,
+)
 from kvtier.server.tenancy import AdminAuth, SingleTenantResolver, Tenant, TenantResolver, api_key_from_header
 
 if TYPE_CHECKING:
@@ -85,6 +103,39 @@ class ServerConfig:
     """CORS: origins a browser may call the API from (empty: no CORS headers)."""
     enable_tokenizer_info: bool = False
     """--enable-tokenizer-info-endpoint: GET /tokenizer_info (it shows the chat template)."""
+    trust_request_chat_template: bool = False
+    """--trust-request-chat-template: requests may carry their own `chat_template` (rendered in
+    the bounded sandbox); without it such a request is a 400."""
+    strict_request_fields: bool = False
+    """--strict-request-fields: a completions or chat field the server does not know is a 400
+    naming it (default: a warning in the log naming the ignored fields, as vLLM)."""
+    header_timeout_s: float = 10.0
+    """--header-timeout-s: a connection that has not sent a complete request head this long
+    after connecting (or after its first byte of a keep-alive request) is closed (0: none)."""
+    body_timeout_s: float = 30.0
+    """--body-timeout-s: a request body that stalls this long between chunks gets a 408 and
+    the connection closed (0: none)."""
+    max_connections: int | None = None
+    """--max-connections: connections beyond this get a 503 and are closed at once (None:
+    min(RLIMIT_NOFILE - 64, 4096), after raising the soft limit to the hard one; 0: none)."""
+    stream_stall_timeout_s: float | None = 30.0
+    """--stream-stall-timeout-s: a stream that could send nothing this long (the client does
+    not read) is aborted, its blocks freed (None or 0: none)."""
+    max_concurrent_requests_per_key: int = 0
+    """--max-concurrent-requests-per-key: requests in flight per API key (per client address
+    without one, or when the server checks no keys: then any key passes); streams hold their
+    slot until they end. More get a 429 (0: unbounded)."""
+    rate_limit_per_key: str = "0"
+    """--rate-limit-per-key: a token bucket per API key (client address without one), `RATE`
+    or `RATE/s:burst=N` requests per second; over it a 429 with Retry-After ("0": none)."""
+    rate_limit_pace_s: float = 1.0
+    """--rate-limit-pace-s: a per-key 429 is held this long (never past its Retry-After)
+    before it is sent (KeyLimiter.pace; 0: at once)."""
+
+
+MIN_KEY_CHECK_PERIOD_S = 0.1
+"""The periodic fleet key check runs at most this often (--kv-key-check-interval-s 0 means
+'on every admission'; the periodic check then runs every 0.1 s)."""
 
 
 def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], list[tuple[str, Any, Any]]]:
@@ -128,12 +179,15 @@ def build_app(
         model_aliases=config.model_aliases,
         on_added=metrics.note_request,
         sampling_defaults=dict(config.sampling_defaults),
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     if config.tool_call_parser:
         from kvtier.server.tools import make_parser
 
         serving.tool_parser = make_parser(config.tool_call_parser)
     serving.structured_defaults = dict(config.structured_defaults)
+    serving.on_structured_error = metrics.structured_output_error
+    serving.strict_request_fields = config.strict_request_fields
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
@@ -154,15 +208,28 @@ def build_app(
             except Exception:
                 logger.exception("TTL sweep failed")
 
+    async def key_checker(interval_s: float) -> None:
+        """Fleet keys: a purge made by another instance reaches this one's copies within the
+        check interval, whether or not the tenant sends this instance a request."""
+        while True:
+            await asyncio.sleep(max(interval_s, MIN_KEY_CHECK_PERIOD_S))
+            try:
+                await async_engine.check_keys()
+            except Exception:
+                logger.exception("fleet key check failed")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
         sweep = ttl_tenants or async_engine.has_tiers  # pending purges too
-        task = asyncio.ensure_future(sweeper()) if sweep else None
+        tasks = [asyncio.ensure_future(sweeper())] if sweep else []
+        key_check_s = async_engine.key_check_interval_s
+        if key_check_s is not None:
+            tasks.append(asyncio.ensure_future(key_checker(key_check_s)))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
             async_engine.shutdown()
 
@@ -191,22 +258,77 @@ def build_app(
                 str(e) or "invalid API key", 401, type="authentication_error", code="invalid_api_key"
             ) from None
 
+    rate, burst = parse_rate(config.rate_limit_per_key)
+    limiter = KeyLimiter(config.max_concurrent_requests_per_key, rate, burst, pace_s=config.rate_limit_pace_s)
+    keys_checked = tenants is not None  # without --api-key(s) any key passes: count addresses
+    app.state.limiter = limiter
+    stream_aborts = Counter(
+        PREFIX + "stream_aborts",
+        "Streams the server aborted (their requests' blocks freed), by reason.",
+        ["model_name", "reason"],
+        registry=metrics.registry,
+    )
+    stream_aborts.labels(config.served_model_name, "client_stalled")
+
+    def stream_stalled() -> None:
+        stream_aborts.labels(config.served_model_name, "client_stalled").inc()
+        logger.warning(
+            "a stream's client read nothing for %g s (--stream-stall-timeout-s): its requests are aborted",
+            config.stream_stall_timeout_s,
+        )
+
+    async def limited(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
+        """`handle()` under the caller's per-key limits and the stream stall bound: a stream
+        keeps its slot until it ends."""
+        release = None
+        if limiter.enabled:
+            key = _client_key(request, keys_checked)
+            try:
+                release = limiter.acquire(key)
+            except RateLimited as refusal:
+                await limiter.pace(key, refusal)
+                raise
+        try:
+            response = await handle()
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if isinstance(response, _CleanupStreamingResponse):
+            response.stall_timeout_s = config.stream_stall_timeout_s or None
+            response.on_stalled = stream_stalled
+            if release is not None:
+                response.also_cleanup.append(release)
+        elif release is not None:
+            release()
+        return response
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        req = await read_json(
-            request,
-            config.max_body_bytes,
-            precheck=serving.precheck_completion,
-            then=lambda body: _validate(CompletionRequest, body),
-        )
-        return await serving.completions(req, tenant, request)
+
+        async def handle() -> Response:
+            req = await read_json(
+                request,
+                config.max_body_bytes,
+                precheck=serving.precheck_completion,
+                then=lambda body: _validate(CompletionRequest, body),
+            )
+            return await serving.completions(req, tenant, request)
+
+        return await limited(request, handle)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         tenant = tenant_of(request)
-        req = await read_json(request, config.max_body_bytes, then=lambda body: _validate(ChatCompletionRequest, body))
-        return await serving.chat(req, tenant, request)
+
+        async def handle() -> Response:
+            req = await read_json(
+                request, config.max_body_bytes, then=lambda body: _validate(ChatCompletionRequest, body)
+            )
+            return await serving.chat(req, tenant, request)
+
+        return await limited(request, handle)
 
     def authorize(request: Request, mode: str) -> None:
         """--metrics-auth / --models-auth: 'public', 'api_key' (a valid key) or 'admin'."""
@@ -295,7 +417,8 @@ def build_app(
 
     def cache_target(request: Request, destructive: bool) -> str:
         """The tenant a /v1/cache call acts on: the caller's, or with an admin key any named one.
-        Without --api-keys every caller shares one tenant, so purging it takes an admin key."""
+        Without --api-keys every caller (every `--api-key` key too) shares one tenant, so
+        purging it takes an admin credential; a key of a tenant of its own purges only that."""
         key = api_key_from_header(request.headers.get("authorization"))
         named = request.query_params.get("tenant")
         if admin.is_admin_key(key):
@@ -303,7 +426,7 @@ def build_app(
                 raise APIError(
                     "the admin key acts on a named tenant: add ?tenant=NAME (or ?all=true)", 400, code="missing_tenant"
                 )
-            return named if named is not None else resolver.resolve(None).name
+            return named if named is not None else admin.shared_tenant
         tenant = tenant_of(request)
         if named is not None and named != tenant.name:
             if not tenant.admin:
@@ -311,8 +434,14 @@ def build_app(
                     "only an admin key may name another tenant", 403, type="permission_error", code="forbidden"
                 )
             return named
-        if destructive and not admin.multi_tenant:
-            require_admin(request)
+        if destructive and not admin.owns(tenant) and not admin.is_admin(key):
+            status, message = admin.refusal(key)  # the shared tenant is everyone's cache
+            raise APIError(
+                f"this cache is shared by every key of this server, so purging it is an admin action: {message}",
+                status,
+                type="authentication_error" if status == 401 else "permission_error",
+                code="invalid_api_key" if status == 401 else "forbidden",
+            )
         return tenant.name
 
     def purge_answer(tenant: str | None, counts: dict[str, Any]) -> Response:
@@ -410,6 +539,7 @@ async def read_json(
         raise APIError(
             f"the request body is larger than {max_bytes} bytes (--max-body-bytes)", 413, code="request_too_large"
         )
+    _check_json_content_type(request)
 
     def parse() -> Any:
         obj = parse_json_object(bytes(body), precheck)
@@ -418,6 +548,20 @@ async def read_json(
     if len(body) <= _INLINE_BODY_BYTES:
         return parse()
     return await asyncio.to_thread(parse)
+
+
+def _check_json_content_type(request: Request) -> None:
+    """A 415 unless the body is declared `application/json` (any parameters, e.g. charset,
+    allowed): a form, text or multipart body that happens to parse is not taken as JSON."""
+    declared = request.headers.get("content-type")
+    media = (declared or "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        shown = "no Content-Type" if declared is None else f"Content-Type {declared[:100]!r}"
+        raise APIError(
+            f"the request has {shown}; send the JSON body with Content-Type: application/json",
+            415,
+            code="unsupported_media_type",
+        )
 
 
 class _EchoRequestId:
@@ -445,6 +589,15 @@ class _EchoRequestId:
         await self.app(scope, receive, send_with_id)
 
 
+def _client_key(request: Request, keys_checked: bool) -> str:
+    """Who the per-key limits count: the bearer key (hashed) where the server checks keys
+    (a client cannot mint new ones), else the client's address."""
+    key = api_key_from_header(request.headers.get("authorization")) if keys_checked else None
+    if key:
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
 def _validate(model: Any, body: dict[str, Any]) -> Any:
     try:
         return model.model_validate(body)
@@ -457,7 +610,7 @@ def _validate(model: Any, body: dict[str, Any]) -> Any:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> Response:
-        return JSONResponse(e.body(), e.status_code)
+        return JSONResponse(e.body(), e.status_code, headers=getattr(e, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def request_validation(request: Request, e: RequestValidationError) -> Response:
@@ -495,8 +648,19 @@ def run_server(
     import uvicorn
 
     app = build_app(engine, tokenizer, config, tenants=tenants, request_log=request_log)
+    nofile = raise_nofile_limit()
+    max_connections = default_max_connections(nofile) if config.max_connections is None else config.max_connections
+    limits = HTTPLimits(config.header_timeout_s, config.body_timeout_s, config.max_body_bytes, max_connections)
+    install_accept_error_filter()
     server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+            http=limited_h11_protocol(limits),
+        )
     )
     if getattr(engine, "is_engine_process", False):
 

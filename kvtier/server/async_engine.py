@@ -61,7 +61,10 @@ class RequestSpec:
 
 class RequestStream:
     """The outputs of one engine request, on the event loop. Outputs are cumulative, so a
-    reader that falls behind skips to the newest one; the last one has `finished` set."""
+    reader that falls behind skips to the newest one; the last one has `finished` set.
+    Undelivered outputs are bounded: a new output replaces the one its reader has not taken
+    yet (a client that does not read holds one output per request, not one per step; the
+    stream's stall timeout then aborts it)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -69,6 +72,12 @@ class RequestStream:
         self.finished = False
 
     def _put(self, item: RequestOutput | BaseException) -> None:
+        if not isinstance(item, BaseException):
+            while not self._queue.empty():  # superseded: `next` would skip it anyway
+                older = self._queue.get_nowait()
+                if isinstance(older, BaseException):  # an error is never dropped (nor passed)
+                    self._queue.put_nowait(older)
+                    return
         self._queue.put_nowait(item)
 
     async def next(self) -> RequestOutput:
@@ -292,6 +301,21 @@ class AsyncEngine:
     def _apply_revocations(self) -> None:
         """Fleet keys another instance destroyed: `drop_revoked`, outputs to their streams."""
         self._dispatch(drop_revoked(self.engine))
+
+    @property
+    def key_check_interval_s(self) -> float | None:
+        """With fleet keys: how often the periodic key check (`check_keys`) is due; else None."""
+        tiers = getattr(self.engine, "tiers", None)
+        fleet = None if tiers is None else tiers.fleet_keys
+        return None if fleet is None else fleet.check_interval_s
+
+    async def check_keys(self) -> None:
+        """The periodic fleet key check, with or without requests: re-read every cached data key
+        (off the engine thread) and drop the local copies of tenants whose key another
+        instance destroyed (device, host, disk), as a request of that tenant would."""
+        fleet = self.engine.tiers.fleet_keys
+        await asyncio.to_thread(fleet.refresh_all)
+        await self.run_soon(lambda core: self._apply_revocations())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort what is in flight and stop the thread."""

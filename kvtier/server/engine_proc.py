@@ -343,6 +343,22 @@ class _EngineLoop:
                 if tiers is not None and tiers.pending_purges():
                     future = tiers.submit_admin(tiers.retry_pending_purges)
                 self._reply_when(call_id, future, None, lambda v, r: None)
+            elif op == "check_keys":  # the periodic fleet key check (AsyncEngine.check_keys)
+                fleet = None if tiers is None else tiers.fleet_keys
+                if fleet is None:
+                    self._reply_when(call_id, None, None)
+                else:
+                    self._waiting += 1
+
+                    def applied(f: Future) -> None:  # revocations go through the engine thread
+                        def apply() -> None:
+                            self._waiting -= 1
+                            self._apply_revocations()
+                            self.send(["reply", call_id, True, None])
+
+                        self._soon.put(apply)
+
+                    tiers.submit_admin(fleet.refresh_all).add_done_callback(applied)
             elif op == "check_integrity":
                 self._reply_when(call_id, None, integrity_report(core))
             elif op == "metrics":
@@ -392,8 +408,12 @@ def engine_main() -> int:
         for tenant, host_bytes, disk_bytes in settings.get("tenant_quotas", []):
             core.set_tenant_quota(tenant, host_bytes, disk_bytes)
     except BaseException as e:
-        logger.exception("the engine could not start")
-        push.send(enc.encode(["fatal", f"{type(e).__name__}: {e}"]))
+        bad_config = isinstance(e, ValueError)  # e.g. a master key the fleet does not use: one line
+        if bad_config:
+            logger.error("the engine could not start: %s", e)
+        else:
+            logger.exception("the engine could not start")
+        push.send(enc.encode(["fatal", f"{type(e).__name__}: {e}", bad_config]))
         push.close(linger=2000)
         return 1
     plan = core.thread_plan
@@ -494,7 +514,8 @@ class EngineClient:
                 msg = self._dec.decode(self._pull.recv())
                 if msg[0] == "fatal":
                     self._cleanup()
-                    raise RuntimeError(f"the engine process could not start: {msg[1]}")
+                    error = ValueError if len(msg) > 2 and msg[2] else RuntimeError  # ValueError: the CLI's one line
+                    raise error(f"the engine process could not start: {msg[1]}")
                 if msg[0] == "ready":
                     self.info = msg[1]
                     logger.info("engine process %s ready (%s)", self._proc.pid, self.info.get("threads"))
@@ -685,6 +706,16 @@ class EngineClient:
 
     async def sweep(self) -> None:
         await self._call("call", "sweep", None)
+
+    @property
+    def key_check_interval_s(self) -> float | None:
+        """AsyncEngine.key_check_interval_s (from the fleet_keys setting)."""
+        fleet: Any = self.settings["fleet_keys"]
+        return None if not fleet else float(fleet[1])
+
+    async def check_keys(self) -> None:
+        """AsyncEngine.check_keys, in the engine process."""
+        await self._call("call", "check_keys", None)
 
     async def check_integrity(self) -> dict[str, Any]:
         try:

@@ -36,6 +36,7 @@ vLLM's request-level set (all labelled model_name):
                                                                 counts entries that failed checks
     kvtier:restore_decisions_total              decision        restore | partial | recompute | none
     kvtier:restore_failures_total               -               restores whose load raised (recomputed)
+    kvtier:structured_output_errors_total       reason          constraints not honoured (decode, too_complex, ...)
     kvtier:restore_seconds                      tier            histogram, per request that restored
     kvtier:recomputed_tokens_total              -               prompt tokens computed
     kvtier:time_to_first_token_seconds, inter_token_latency_seconds, e2e_request_latency_seconds
@@ -445,6 +446,14 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=r,
         )
+        self.structured_errors = Counter(
+            PREFIX + "structured_output_errors",
+            "Structured-outputs constraints not honoured, by reason: decode (the grammar failed "
+            "while decoding: that choice ended in an error), or why one was refused before it ran "
+            "(too_complex, invalid, too_deep, too_large, timeout).",
+            ["model_name", "reason"],
+            registry=r,
+        )
         self._max_tokens: dict[str, int] = {}
         # the series exist (at zero) from the start, as vLLM's do
         for metric in (
@@ -511,6 +520,13 @@ class ServerMetrics:
         self.recomputed.labels(name).inc(out.num_recomputed_tokens)
         reason = out.outputs[0].finish_reason if out.outputs else None
         self.requests.labels(name, reason or "abort").inc()
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                self.structured_errors.labels(name, "decode").inc()
+
+    def structured_output_error(self, reason: str) -> None:
+        """A structured-outputs constraint refused before it ran (kvtier.server.serving)."""
+        self.structured_errors.labels(self.model_name, reason).inc()
 
     def render(self, families: list[Metric] | None = None) -> bytes:
         if families is not None and self.snapshot is not None:

@@ -1,7 +1,9 @@
 """OpenAI request models (pydantic) and the OpenAI error shape.
 
-Requests validate strictly (a string where a number belongs is a 400, not a coercion) and
-ignore fields they do not know, as OpenAI's clients send some. Fields OpenAI or vLLM has and
+Requests validate strictly (a string where a number belongs is a 400, not a coercion; every
+integer is range-checked, so none reaches the engine that does not fit 64 bits) and keep
+fields they do not know aside: the server logs them, or refuses them under
+--strict-request-fields (OpenAI's and vLLM's bookkeeping fields, KNOWN_NEUTRAL_FIELDS, pass). Fields OpenAI or vLLM has and
 kvtier does not implement are accepted only at their neutral value: any other value is a 400
 that names the field, never silently ignored. vLLM's extra fields kvtier implements, with vLLM's
 names: `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
@@ -18,9 +20,9 @@ import math
 import re
 import sys
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 
 class APIError(Exception):
@@ -75,6 +77,9 @@ def parse_json_object(body: bytes, precheck: Callable[[dict[str, Any]], Any] | N
         msg = str(e)
         if "integer string conversion" in msg:
             msg = f"an integer has more than {sys.get_int_max_str_digits()} digits"
+        where = None if isinstance(e, json.JSONDecodeError) else _bad_number_path(text)
+        if where:
+            raise APIError(f"{where}: {msg}", 400, param=where, code="invalid_json") from None
         raise APIError(f"the body is not valid JSON: {msg}", 400, code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError("the body must be a JSON object", 400, code="invalid_json")
@@ -82,6 +87,38 @@ def parse_json_object(body: bytes, precheck: Callable[[dict[str, Any]], Any] | N
         precheck(obj)
     _check_tree(obj, check_strings=_SURROGATE_ESCAPE.search(text) is not None)
     return obj
+
+
+class _BadNumber:
+    """Where a number JSON cannot give Python stood, in `_bad_number_path`'s second parse."""
+
+
+def _bad_number_path(text: str) -> str | None:
+    """The path (e.g. `logit_bias.5`, `prompt.0`) of the first NaN, Infinity, out-of-range
+    float or over-long integer in `text`, for the 400 to name the field; only after the strict
+    parse failed, so the fast path parses once."""
+    limit = sys.get_int_max_str_digits() or 1 << 62
+
+    def parse_int(literal: str) -> Any:
+        return _BadNumber() if len(literal.lstrip("-")) > limit else int(literal)
+
+    def parse_float(literal: str) -> Any:
+        value = float(literal)
+        return value if math.isfinite(value) else _BadNumber()
+
+    try:
+        obj = json.loads(text, parse_constant=lambda _: _BadNumber(), parse_float=parse_float, parse_int=parse_int)
+    except (ValueError, RecursionError):
+        return None
+    stack: list[tuple[Any, tuple[str, ...]]] = [(obj, ())]
+    while stack:  # depth-first, in document order
+        node, path = stack.pop()
+        if isinstance(node, _BadNumber):
+            return ".".join(path)
+        if len(path) < MAX_JSON_DEPTH and isinstance(node, (dict, list)):
+            items = list(node.items() if isinstance(node, dict) else enumerate(node))
+            stack.extend((v, path + (str(k),)) for k, v in reversed(items))
+    return None
 
 
 def _reject_constant(name: str) -> Any:
@@ -145,7 +182,9 @@ def _surrogate_error(path: tuple[str, ...], text: str, where: str) -> APIError:
 
 def validation_error(e: ValidationError) -> APIError:
     """A pydantic error as a 400 naming the first offending field."""
-    first = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # a value out of range rather than "not a string" from the first alternative of a union
+    first = next((err for err in errors if not err["type"].endswith("_type")), errors[0])
     loc = [str(p) for p in first.get("loc", ())]
     # unions report each alternative as a loc element (e.g. 'str', 'list[int]'): keep field path
     param = ".".join(p for p in loc if not _is_type_name(p)) or None
@@ -168,22 +207,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+I32_MAX = (1 << 31) - 1
+"""The largest count, length or token id a request may give (every vocabulary and context is
+far below it); larger integers are a 400 at the edge, before anything serializes them."""
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+
+Count = Annotated[int, Field(ge=0, le=I32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=I32_MAX)]
+"""A token id as the edge takes it: the engine checks it against the vocabulary."""
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+KNOWN_NEUTRAL_FIELDS = frozenset(
+    {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
+)
+"""OpenAI/vLLM request fields kvtier does not model and that change nothing it computes
+(bookkeeping for the caller's platform): taken silently, also under --strict-request-fields."""
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
 
+    Every integer is range-checked here (a 400 naming the field), so nothing past the edge
+    sees one that does not fit 64 bits. Fields the model does not know are kept in
+    `model_extra` (not used): `ignored_fields()` lists them for the server's warning, or its
+    400 under --strict-request-fields."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    _bad_words_ids: list[list[int]] | None = PrivateAttr(None)
+    """`bad_words` tokenized by the server (once for all of a request's prompts)."""
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, ge=-1, le=I32_MAX)
     min_p: float | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=I32_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)
     """A 64-bit integer (the sampler's generator takes no more)."""
     stream: bool = False
@@ -191,9 +256,9 @@ class _SamplingFields(_Strict):
     user: str | None = None
     # kvtier / vLLM extras
     cache_salt: str | None = None
-    priority: int = 0
+    priority: int = Field(0, ge=I64_MIN, le=I64_MAX)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: Count = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     return_token_ids: bool = False
@@ -202,12 +267,13 @@ class _SamplingFields(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    """Token id (as a string, OpenAI's shape) -> bias added to its logit, in [-100, 100]."""
+    logit_bias: dict[str, Bias] | None = None
+    """Token id (as a string of ASCII digits, OpenAI's shape) -> bias added to its logit, in
+    [-100, 100]."""
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = None
-    prompt_logprobs: int | None = None
+    allowed_token_ids: list[TokenId] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=I32_MAX)
+    prompt_logprobs: Count | None = None
     """vLLM's: the prompt tokens' log-probabilities (top-k at each position) in the response."""
     # vLLM fields accepted at their neutral value only
     guided_json: Any = None
@@ -288,28 +354,37 @@ class _SamplingFields(_Strict):
             raise APIError(f"{found[0][1]} and {found[1][1]} both constrain the output; give one", param=found[1][1])
         return found[0] if found else (None, None)
 
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this model does not know (misspelt or not implemented), less the
+        known-neutral ones (KNOWN_NEUTRAL_FIELDS)."""
+        return sorted(k for k in self.model_extra or () if k not in KNOWN_NEUTRAL_FIELDS)
+
     def token_logit_bias(self) -> dict[int, float] | None:
-        """logit_bias with integer keys; a key that is not a token id is a 400."""
+        """logit_bias with integer keys; a key that is not a token id (only ASCII decimal
+        digits, at most I32_MAX) is a 400."""
         if not self.logit_bias:
             return None
         out = {}
         for key, value in self.logit_bias.items():
-            try:
-                out[int(key)] = value
-            except ValueError:
-                raise APIError(f"logit_bias: the key {key[:40]!r} is not a token id", 400, param="logit_bias") from None
+            if not (0 < len(key) <= 10 and key.isascii() and key.isdigit()) or int(key) > I32_MAX:
+                raise APIError(
+                    f'logit_bias: the key {key[:40]!r} is not a token id (a decimal number, e.g. "1234")',
+                    400,
+                    param="logit_bias",
+                )
+            out[int(key)] = value
         return out
 
 
-PromptInput = str | list[int] | list[str] | list[list[int]]
+PromptInput = str | list[TokenId] | list[str] | list[list[TokenId]]
 
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Count | None = 16
+    logprobs: Count | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Count | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
 
@@ -349,10 +424,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Count | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None
@@ -399,4 +474,4 @@ class TokenizeChatRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import stat
 import threading
 import time
 from typing import Any
@@ -22,11 +24,27 @@ from kvtier.outputs import RequestOutput
 logger = logging.getLogger("kvtier.server")
 
 
+def open_private_log(path: str) -> Any:
+    """Open `path` for appending, owner-only (0600) like every file of user data: created 0600
+    whatever the umask, an existing file narrowed to 0600, one of another user refused."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise PermissionError(f"--request-log {path} is owned by uid {st.st_uid}: choose a file of your own")
+        if stat.S_IMODE(st.st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "a", encoding="utf-8", buffering=1)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class RequestLog:
     def __init__(self, path: str, include_text: bool = False) -> None:
         self.path = path
         self.include_text = include_text
-        self._file = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115 - held until close()
+        self._file = open_private_log(path)
         self._lock = threading.Lock()
         self._tenants: dict[str, str] = {}
         # RequestMetrics holds monotonic times; the log wants wall-clock ones

@@ -17,6 +17,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -33,6 +34,7 @@ from kvtier.server.tenancy import Tenant, tenant_hash
 
 if TYPE_CHECKING:
     from kvtier.server.engine_proc import EngineClient
+    from kvtier.server.template_procs import TemplateProcesses
 
 logger = logging.getLogger("kvtier.server")
 
@@ -50,9 +52,36 @@ class RequestLimits:
     """Prompts in one /v1/completions batch (`prompt` as a list of strings or token lists)."""
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST
     """Sequences one request generates: prompts x `n`."""
+    max_stop: int = 128
+    """`stop` strings (OpenAI takes 4, vLLM any number; every stream scans each one per
+    chunk; lm-eval and the SDKs send a handful)."""
+    max_stop_token_ids: int = 256
+    """`stop_token_ids` (each checked against every new token; a model has a few stop tokens)."""
+    max_bad_words: int = SamplingParams.MAX_BAD_WORDS
+    """`bad_words` (1024; each is tokenized twice, on the API server; vLLM sets no bound, lists
+    in use have tens to hundreds)."""
+    max_logit_bias: int = 1024
+    """`logit_bias` entries (OpenAI takes up to 300 tokens)."""
+    max_allowed_token_ids: int | None = None
+    """`allowed_token_ids`; None: the tokenizer's vocabulary size (a longer list repeats ids),
+    or 262144 without a tokenizer."""
+    max_messages: int = 4096
+    """Chat `messages` (long agent sessions run to hundreds; the body and context bound the rest)."""
+    max_tools: int = 128
+    """Chat `tools` (OpenAI's own limit is 128 functions)."""
 
 
 class OpenAIServing:
+    strict_request_fields: bool = False
+    """--strict-request-fields: a field the request model does not know is a 400 naming it,
+    not a warning in the log (OpenAI's bookkeeping fields, protocol.KNOWN_NEUTRAL_FIELDS, pass)."""
+
+    on_structured_error: Callable[[str], None] | None = None
+    """Called with a reason for each structured-outputs constraint refused before it ran (the
+    app's kvtier:structured_output_errors_total)."""
+    _grammar_checker: Any = None
+    """A kvtier.structured.GrammarCompiler for this tokenizer: the pre-validation's (cached)."""
+
     def __init__(
         self,
         engine: AsyncEngine | EngineClient,
@@ -64,8 +93,17 @@ class OpenAIServing:
         model_aliases: tuple[str, ...] = (),
         on_added: Callable[[str, int | None], None] | None = None,
         sampling_defaults: dict[str, Any] | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
+        self.template_procs: TemplateProcesses | None = None
+        """Renders request templates in worker processes (started at the first one)."""
+        if trust_request_chat_template:
+            from kvtier.server.template_procs import TemplateProcesses
+
+            self.template_procs = TemplateProcesses()
+        """--trust-request-chat-template: requests may carry their own `chat_template`."""
         self.request_log = request_log
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -115,6 +153,7 @@ class OpenAIServing:
         request_id, engine_id = _request_ids("cmpl", raw)
         prompts = self._truncate(prompts, req.truncate_prompt_tokens)
         params = [self._params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
+        await self._check_structured(params, req.structured()[1])
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
             for sp in params:
                 sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
@@ -198,6 +237,8 @@ class OpenAIServing:
                 if st is None:
                     assert isinstance(sp.stop, list)  # SamplingParams.__post_init__ made it one
                     st = texts[idx] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+                if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
+                    raise StructuredOutputFailed(_structured_failure(c))
                 delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
                 start = sent_tokens.get(idx, 0)
                 new_tokens = len(c.token_ids) > start
@@ -265,11 +306,19 @@ class OpenAIServing:
             if m.content is not None
         )
         chars += len(json.dumps(req.tools)) if req.tools and mode != "none" else 0
-        ids = await _off_loop(self._encode_chat, req, mode != "none", chars=chars + 64 * len(req.messages))
+        ids = await _off_loop(
+            self._encode_chat,
+            req,
+            mode != "none",
+            chars=chars + 64 * len(req.messages),
+            render=True,
+            untrusted=req.chat_template is not None and self.trust_request_chat_template,
+        )
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         ids = self._truncate([(None, ids)], req.truncate_prompt_tokens)[0][1]
         params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None, tool_spec)]
+        await self._check_structured(params, "tool_choice" if tool_spec is not None else req.structured()[1])
         tool_state = (mode, fname, self.tool_parser if mode == "auto" else None)
         request_id, engine_id = _request_ids("chatcmpl", raw)
         streams = await self._add(engine_id, [(None, ids)], params, req, tenant, prompt_param="messages")
@@ -304,28 +353,56 @@ class OpenAIServing:
 
     def _encode_chat(self, req: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
         """Render the template, check the text can fit, then tokenize (the template can drop
-        or add text, so the bound is checked on what it renders)."""
+        or add text, so the bound is checked on what it renders). A request's `chat_template`
+        needs --trust-request-chat-template; `chat_template_kwargs` may not set the template's
+        own variables. Rendering is bounded (kvtier.model.tokenizer.RenderLimits): a template
+        over its size, loop or time limits is a 400 naming `chat_template` (the request's) or
+        `messages` (the model's)."""
         from jinja2 import TemplateError
 
-        from kvtier.model.tokenizer import TokenizerError
+        from kvtier.model.tokenizer import RESERVED_TEMPLATE_NAMES, TokenizerError
 
+        if req.chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                "chat_template: this server does not render request-supplied chat templates; "
+                "start it with --trust-request-chat-template to allow them, or leave chat_template "
+                "out to use the model's",
+                param="chat_template",
+            )
+        clash = sorted(RESERVED_TEMPLATE_NAMES.intersection(req.chat_template_kwargs or {}))
+        if clash:
+            raise APIError(
+                f"chat_template_kwargs cannot set {', '.join(clash)}: those are the chat template's "
+                "own variables (pass a template with chat_template instead)",
+                param="chat_template_kwargs",
+            )
         messages = [m.for_template() for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
-                messages,
-                req.add_generation_prompt,
-                tools=req.tools if with_tools else None,
-                chat_template=req.chat_template,
-                continue_final_message=req.continue_final_message,
-                **(req.chat_template_kwargs or {}),
-            )
+            if req.chat_template is not None and self.template_procs is not None:
+                text = self.template_procs.render(  # in a worker process: it shares no GIL with the server
+                    req.chat_template,
+                    self.tokenizer.bos_token,
+                    self.tokenizer.eos_token,
+                    messages,
+                    req.add_generation_prompt,
+                    req.tools if with_tools else None,
+                    req.continue_final_message,
+                    dict(req.chat_template_kwargs or {}),
+                )
+            else:
+                text = self.tokenizer.apply_chat_template(
+                    messages,
+                    req.add_generation_prompt,
+                    tools=req.tools if with_tools else None,
+                    chat_template=req.chat_template,
+                    continue_final_message=req.continue_final_message,
+                    **(req.chat_template_kwargs or {}),
+                )
         except TemplateError as e:
             where = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(f"the chat template failed on these messages: {e}", param=where) from None
         except TokenizerError as e:
             raise APIError(str(e), param="messages") from None
-        except TypeError as e:  # chat_template_kwargs clashing with the template's arguments
-            raise APIError(f"chat_template_kwargs: {e}", param="chat_template_kwargs") from None
         self._check_text_fits(text, "messages", what="the rendered chat")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -360,6 +437,8 @@ class OpenAIServing:
             for c in out.outputs:
                 if c.index in done:
                     continue
+                if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
+                    raise StructuredOutputFailed(_structured_failure(c))
                 st = texts[c.index]
                 delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
                 start = sent_tokens.get(c.index, 0)
@@ -431,7 +510,13 @@ class OpenAIServing:
                 for m in req.messages
                 if m.content is not None
             )
-            ids = await _off_loop(self._encode_chat, req, chars=chars + 64 * len(req.messages))
+            ids = await _off_loop(
+                self._encode_chat,
+                req,
+                chars=chars + 64 * len(req.messages),
+                render=True,
+                untrusted=req.chat_template is not None and self.trust_request_chat_template,
+            )
             want_strs = chat.return_token_strs
         else:
             plain = _validated(TokenizeCompletionRequest, body)
@@ -536,16 +621,70 @@ class OpenAIServing:
             )
 
     def _check_common(self, req: _SamplingFields) -> None:
+        """Model name, fields the model does not know (logged, or a 400 under
+        --strict-request-fields), fields kvtier does not implement, list lengths (RequestLimits);
+        then bad_words tokenized here, so the engine thread only indexes them."""
         if req.model is not None and req.model not in self.model_names:
+            shown = req.model if len(req.model) <= 100 else req.model[:100] + "..."
             raise APIError(
-                f"the model {req.model!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
+                f"the model {shown!r} does not exist; this server serves {self.model_name!r} (see /v1/models)",
                 404,
                 param="model",
                 code="model_not_found",
             )
+        self._check_ignored_fields(req)
         bad = req.unsupported()
         if bad:
             raise APIError(f"{bad[0]} is not supported by kvtier; leave it out (or at its default)", param=bad[0])
+        lim = self.limits
+        vocab = self.tokenizer.vocab_size if self.tokenizer is not None else 262144
+        caps: list[tuple[str, Any, int]] = [
+            ("stop", req.stop if isinstance(req.stop, list) else None, lim.max_stop),
+            ("stop_token_ids", req.stop_token_ids, lim.max_stop_token_ids),
+            ("bad_words", None if req.bad_words is None else set(req.bad_words), lim.max_bad_words),
+            ("logit_bias", req.logit_bias, lim.max_logit_bias),
+            ("allowed_token_ids", req.allowed_token_ids, lim.max_allowed_token_ids or vocab),
+        ]
+        if isinstance(req, ChatCompletionRequest):
+            caps += [
+                ("messages", req.messages, lim.max_messages),
+                ("tools", req.tools, lim.max_tools),
+            ]
+        for name, value, cap in caps:
+            if value is not None and len(value) > cap:
+                what = "distinct entries" if name == "bad_words" else "entries"
+                raise APIError(
+                    f"{name} has {len(value)} {what}; this server takes at most {cap}",
+                    param=name,
+                    code="too_many_items",
+                )
+        if req.bad_words and self.tokenizer is not None:
+            from kvtier.model.sampler import tokenize_bad_words
+
+            if any(not w.strip() for w in req.bad_words):
+                raise APIError("bad_words must be a list of non-empty strings", param="bad_words")
+            req._bad_words_ids = tokenize_bad_words(
+                req.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
+            )
+
+    def _check_ignored_fields(self, req: _SamplingFields) -> None:
+        """vLLM's warning for fields the request model does not know; a 400 when strict."""
+        ignored = req.ignored_fields()
+        if not ignored:
+            return
+        shown = [name if len(name) <= 100 else name[:100] + "..." for name in ignored[:20]]
+        if self.strict_request_fields:
+            import difflib
+
+            hint = difflib.get_close_matches(ignored[0], type(req).model_fields, n=1)
+            raise APIError(
+                f"unknown field {shown[0]!r}"
+                + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                + f"; this server refuses fields it does not know (--strict-request-fields): {shown}",
+                param=shown[0],
+                code="unknown_field",
+            )
+        logger.warning("The following fields were present in the request but ignored: %s", set(shown))
 
     def _params(
         self,
@@ -594,12 +733,44 @@ class OpenAIServing:
                 logit_bias=req.token_logit_bias(),
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
+                bad_words_token_ids=req._bad_words_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 prompt_logprobs=req.prompt_logprobs,
                 structured_outputs=structured,
             )
         except ValueError as e:
             raise _value_error(e) from None
+
+    async def _check_structured(self, params: list[SamplingParams], param: str | None) -> None:
+        """The request's structured-outputs constraint compiled and validated before the engine
+        sees it (kvtier.structured.GrammarCompiler.check, cached): on a worker thread, never the
+        event loop or the engine thread, under LIMITS.compile_timeout_s. One that cannot be
+        honoured is a 400 naming `param` (the field it came in)."""
+        from kvtier.structured import LIMITS, GrammarCompiler, StructuredOutputError
+
+        spec = next((sp.structured_outputs for sp in params if sp.structured_outputs is not None), None)
+        if spec is None or self.tokenizer is None:
+            return  # without a tokenizer the engine refuses it (a 400 from _add)
+        if self._grammar_checker is None:
+            self._grammar_checker = GrammarCompiler(self.tokenizer, self.tokenizer.vocab_size, ())
+        loop = asyncio.get_running_loop()
+        try:
+            work = loop.run_in_executor(_GRAMMAR_POOL, self._grammar_checker.check, spec)
+            await asyncio.wait_for(work, LIMITS.compile_timeout_s)
+            return
+        except TimeoutError:
+            reason = "timeout"
+            error = APIError(
+                f"structured_outputs: compiling the constraint took longer than {LIMITS.compile_timeout_s:g} s",
+                param=param,
+                code="structured_output_too_complex",
+            )
+        except StructuredOutputError as e:
+            reason = e.reason
+            error = APIError(str(e), param=param)
+        if self.on_structured_error is not None:
+            self.on_structured_error(reason)
+        raise error
 
     async def _add(
         self,
@@ -659,9 +830,13 @@ class OpenAIServing:
             if not work.done():
                 raise ClientGone()
             try:
-                return work.result()
+                outs = work.result()
             except EngineStepError as e:
                 raise APIError(str(e), 500, type="server_error") from None
+            failed = next((c for out in outs for c in out.outputs if c.finish_reason == "error"), None)
+            if failed is not None:
+                raise _structured_failure(failed)
+            return outs
         finally:
             gone.cancel()
             if not work.done():
@@ -735,12 +910,27 @@ def _too_long(message: str, param: str) -> APIError:
 _INLINE_CHARS = 16 << 10
 
 
-async def _off_loop(fn: Callable[..., Any], *args: Any, chars: int) -> Any:
+_GRAMMAR_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvtier-grammar-check")
+"""Structured-outputs pre-validation (compiling a new constraint, bounded by llguidance's
+limits): threads of its own, so it neither stalls the event loop nor takes the default pool."""
+
+_RENDER_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvtier-chat-template")
+"""Chat-template renders off the event loop: a few threads of their own, so renders (each
+bounded in time by RenderLimits) cannot take every thread of the default pool."""
+
+
+async def _off_loop(
+    fn: Callable[..., Any], *args: Any, chars: int, render: bool = False, untrusted: bool = False
+) -> Any:
     """fn(*args) (templates, tokenization): inline when small, else on a worker thread, so a
     long prompt does not stall the event loop (and every stream it serves); the tokenizer lets
-    go of the GIL while it encodes."""
-    if chars <= _INLINE_CHARS:
+    go of the GIL while it encodes. `render`: fn renders a chat template (it runs on
+    _RENDER_POOL); `untrusted`: a request's own template, whose work the character count
+    does not bound, so never inline."""
+    if chars <= _INLINE_CHARS and not untrusted:
         return fn(*args)
+    if render:
+        return await asyncio.get_running_loop().run_in_executor(_RENDER_POOL, fn, *args)
     return await asyncio.to_thread(fn, *args)
 
 
@@ -793,19 +983,46 @@ def _streaming(gen: AsyncIterator[str], engine: AsyncEngine | EngineClient, stre
     )
 
 
+class StreamStalled(Exception):
+    """The client read nothing of a stream for `stall_timeout_s`."""
+
+
 class _CleanupStreamingResponse(StreamingResponse):
-    """A StreamingResponse that runs `cleanup` however it ends: done, client gone, cancelled.
-    (The body generator's own `finally` runs only when the generator is finalised.)"""
+    """A StreamingResponse that runs `cleanup` (then each `also_cleanup`) however it ends:
+    done, client gone, cancelled, stalled. (The body generator's own `finally` runs only when
+    the generator is finalised.)
+
+    `stall_timeout_s` (None: no bound): a send that cannot complete for that long (the
+    client's socket buffer and the transport's are full: it does not read) ends the stream;
+    its requests are aborted (their blocks freed) and `on_stalled` is called once. While a
+    send waits, the body generator is not pulled, so no further output is rendered; the
+    engine's outputs wait in the request's stream until the abort."""
 
     def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(_errors_as_events(content), **kwargs)
         self.cleanup = cleanup
+        self.also_cleanup: list[Callable[[], None]] = []
+        self.stall_timeout_s: float | None = None
+        self.on_stalled: Callable[[], None] | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self.stall_timeout_s
+
+        async def bounded_send(message: Any) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise StreamStalled from None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send if timeout is None else bounded_send)
+        except StreamStalled:
+            if self.on_stalled is not None:
+                self.on_stalled()
         finally:
             self.cleanup()
+            for fn in self.also_cleanup:
+                fn()
 
 
 async def _errors_as_events(content: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -816,6 +1033,26 @@ async def _errors_as_events(content: AsyncIterator[str]) -> AsyncIterator[str]:
     except (EngineStepError, EngineDeadError) as e:
         yield R.sse(APIError(str(e), 500, type="server_error").body())
         yield R.SSE_DONE
+    except StructuredOutputFailed as e:
+        yield R.sse(e.error.body())
+        yield R.SSE_DONE
+
+
+class StructuredOutputFailed(Exception):
+    """A streamed choice whose grammar failed while decoding: the stream ends with `error`."""
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _structured_failure(c: Any) -> APIError:
+    """The client's error for a choice that ended with finish_reason "error" (its grammar failed
+    while decoding): a 500 with code structured_output_failed, OpenAI's shape for server errors."""
+    reason = (
+        c.stop_reason if isinstance(c.stop_reason, str) else "structured_outputs: the grammar failed while decoding"
+    )
+    return APIError(reason, 500, type="server_error", code="structured_output_failed")
 
 
 _PARAM_NAMES = (
@@ -827,7 +1064,10 @@ _PARAM_NAMES = (
     "min_p",
     "logprobs",
     "min_tokens",
+    "stop_token_ids",
     "stop",
+    "seed",
+    "prompt_logprobs",
     "prompt",
     "cache_salt",
     "token id",

@@ -177,10 +177,14 @@ class AdminAuth:
     def __init__(self, resolver: TenantResolver, admin_key: str | None = None) -> None:
         self.resolver = resolver
         self.admin_key = admin_key
-        self.multi_tenant = not isinstance(resolver, SingleTenantResolver)
         tenants: list[Tenant] = getattr(resolver, "tenants", list)()
+        self.multi_tenant = any(t.cache_salt is not None for t in tenants)
+        """Keys map to tenants of their own (--api-keys); False with no keys or with `--api-key
+        K1 K2 ...`, whose keys all share the one default tenant."""
+        self.shared_tenant = getattr(resolver, "tenant", tenants[0] if tenants else DEFAULT_TENANT).name
+        """Without tenants of their own: the one tenant every caller is (what an admin acts on)."""
         self.configured = admin_key is not None or any(t.admin for t in tenants)
-        self.open_reads = admin_key is None and not self.multi_tenant
+        self.open_reads = admin_key is None and isinstance(resolver, SingleTenantResolver)
 
     def is_admin_key(self, api_key: str | None) -> bool:
         """The standalone admin key (constant-time comparison)."""
@@ -195,12 +199,19 @@ class AdminAuth:
     def is_admin(self, api_key: str | None) -> bool:
         if self.is_admin_key(api_key):
             return True
-        if not self.multi_tenant or api_key is None:
+        if api_key is None:
             return False
         try:
             return self.resolver.resolve(api_key).admin
         except PermissionError:
             return False
+
+    @staticmethod
+    def owns(tenant: Tenant) -> bool:
+        """Whether a key of `tenant` may purge the tenant's KV without an admin credential: only
+        a tenant of its own (a named --api-keys tenant). The shared default tenant (no keys, or
+        every `--api-key` key) holds everyone's KV, so emptying it is an admin action."""
+        return tenant.cache_salt is not None
 
     def refusal(self, api_key: str | None) -> tuple[int, str]:
         """(status, message) for a caller that is not an admin."""

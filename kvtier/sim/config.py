@@ -63,7 +63,10 @@ class SimConfig:
     disk_blocks: int | None = None
     """Disk tier capacity in blocks (or give disk_bytes)."""
     disk_bytes: int | None = None
-    """Disk tier capacity in bytes; a disk entry is a frame of block_bytes + 100 bytes."""
+    """Disk tier capacity in bytes; a disk entry is a frame of block_bytes + 100 bytes, charged
+    as the file system allocates it (whole disk_alloc_bytes units), as the disk tier counts it."""
+    disk_alloc_bytes: int = 4096
+    """The disk file system's allocation unit (st_blksize: 4096 on ext4, xfs and tmpfs)."""
     write_policy: str = "write_through"
     """'write_through', 'write_back' or 'selective', as the engine's cache_write_policy."""
     selective_min_hits: int = 2
@@ -89,6 +92,8 @@ class SimConfig:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}, got {self.write_policy!r}")
         if self.restore_policy not in ("cost", "always"):
             raise ValueError(f"restore_policy must be 'cost' or 'always', got {self.restore_policy!r}")
+        if self.disk_alloc_bytes < 1:
+            raise ValueError("disk_alloc_bytes must be >= 1")
         if self.selective_min_hits < 1:
             raise ValueError("selective_min_hits must be >= 1")
 
@@ -110,8 +115,14 @@ class SimConfig:
     @property
     def disk_cache_bytes(self) -> int | None:
         if self.disk_blocks is not None:
-            return self.disk_blocks * self.frame_bytes
+            return self.disk_blocks * self.disk_frame_charge_bytes
         return self.disk_bytes
+
+    @property
+    def disk_frame_charge_bytes(self) -> int:
+        """What one disk frame costs the disk tier's cap: frame_bytes in whole allocation units."""
+        unit = self.disk_alloc_bytes
+        return -(-self.frame_bytes // unit) * unit
 
     @property
     def has_tiers(self) -> bool:

@@ -232,7 +232,7 @@ def _build_tiers(config: SimConfig) -> tuple[SimHierarchy | None, CostModel]:
     if config.host_cache_bytes:
         tiers["host"] = HostTier(config.host_cache_bytes)
     if config.disk_cache_bytes:
-        tiers["disk"] = MemoryTier(config.disk_cache_bytes)
+        tiers["disk"] = MemoryTier(config.disk_cache_bytes, alloc_bytes=config.disk_alloc_bytes)
     speeds = {"host": (sp.host_bytes_per_s, sp.host_latency_s), "disk": (sp.disk_bytes_per_s, sp.disk_latency_s)}
     cost = CostModel.fixed(
         config.kv_block_bytes,
@@ -293,7 +293,7 @@ class TraceSimulator:
             config.write_policy,
             config.restore_policy,
             host_blocks=host // bb if host else None,
-            disk_blocks=disk // config.frame_bytes if disk else None,
+            disk_blocks=disk // config.disk_frame_charge_bytes if disk else None,
             block_bytes=bb,
             prefill_s_per_token=config.speeds.prefill_s_per_token,
         )
@@ -443,7 +443,7 @@ class TraceSimulator:
         disk = self.disk
         if disk is not None:
             assert disk.usage_bytes <= disk.capacity_bytes, "disk tier over capacity"
-            assert disk.usage_bytes == len(disk) * self.config.frame_bytes, "disk bytes miscounted"
+            assert disk.usage_bytes == len(disk) * self.config.disk_frame_charge_bytes, "disk bytes miscounted"
         assert not self.pool.eviction_log, "stores left pending between requests"
 
 

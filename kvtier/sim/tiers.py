@@ -100,13 +100,19 @@ class MemoryTier(Tier):
     frame fits. tests/sim/test_sim_tiers.py holds it to DiskTier on the same operations.
 
     Single-threaded and infallible: `contains_prefix`, `get` and `put` skip the health gate and
-    fault injection of Tier (nothing here fails) and count straight into the stats."""
+    fault injection of Tier (nothing here fails) and count straight into the stats.
 
-    def __init__(self, capacity_bytes: int, name: str = "disk") -> None:
+    An entry costs its length in whole `alloc_bytes` units, as DiskTier charges what the file
+    system allocates (DiskTier.charged_bytes); `alloc_bytes=1` counts lengths."""
+
+    def __init__(self, capacity_bytes: int, name: str = "disk", alloc_bytes: int = 4096) -> None:
         super().__init__(name)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if alloc_bytes < 1:
+            raise ValueError(f"alloc_bytes must be >= 1, got {alloc_bytes}")
         self._capacity_bytes = int(capacity_bytes)
+        self._alloc_bytes = int(alloc_bytes)
         self._index: ByteLRU[bytes, Any] = ByteLRU()  # key -> frame, LRU first
 
     # -- the hot operations, lean (same results and counters as Tier's, no locks or gate)
@@ -144,7 +150,8 @@ class MemoryTier(Tier):
         return None if entry is None else entry.value
 
     def _put(self, key: bytes, payload: Any, ttl_s: float | None) -> bool:
-        size = len(payload)
+        unit = self._alloc_bytes
+        size = -(-len(payload) // unit) * unit
         if size > self._capacity_bytes:
             self._count_error("too_large")
             return False

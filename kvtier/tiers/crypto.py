@@ -50,9 +50,11 @@ class KeyStore:
     """Data keys, one file per tenant, readable by the owner only."""
 
     def __init__(self, directory: str | Path) -> None:
+        from kvtier.tiers.disk import make_private_dir
+
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.dir, "--kv-key-dir")  # another user's directory is refused
         self._lock = threading.Lock()
         self._ciphers: dict[str, AesGcmCipher] = {}
 

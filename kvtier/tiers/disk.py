@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 import stat
 import threading
@@ -57,6 +58,8 @@ from kvtier.tiers.lru import ByteLRU
 
 _SUFFIX = ".kv"
 _TMP_SUFFIX = ".tmp"
+logger = logging.getLogger(__name__)
+
 _DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 """A full file system or quota: eviction can make room (EFBIG, a per-file limit, it cannot)."""
@@ -65,30 +68,35 @@ _ENOSPC_MARGIN_BYTES = 64 << 10
 _NUM_KEY_LOCKS = 64
 
 
-def _check_private_dir(path: Path) -> None:
-    """Tighten a directory open to group/others to 0700 when we own it; refuse another user's."""
+def _check_private_dir(path: Path, what: str = "disk cache directory") -> None:
+    """Tighten a directory open to group/others to 0700 when we own it; refuse another user's
+    (never chmod it behind its owner's back). `what` names the directory in the error."""
     st = os.stat(path)
     if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(f"{path} is not a directory; point the disk tier elsewhere")
+        raise NotADirectoryError(f"{path} is not a directory; choose another {what}")
     if (st.st_mode & 0o077) == 0:
         return
     if st.st_uid != os.geteuid():
         raise PermissionError(
             f"{path} is owned by uid {st.st_uid} and open to other users (mode "
-            f"{stat.S_IMODE(st.st_mode):o}); KV cache files must be private: run `chmod 700 {path}` "
-            f"as its owner, or choose another disk cache directory"
+            f"{stat.S_IMODE(st.st_mode):o}); files of user data must be private: run `chmod 700 {path}` "
+            f"as its owner, or choose another {what}"
         )
     os.chmod(path, 0o700)
 
 
-def _make_private_dir(path: Path) -> None:
+def _make_private_dir(path: Path, what: str = "disk cache directory") -> None:
     """Create `path` 0700 (exactly: mkdir's mode passes through the umask), or check an existing one."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        _check_private_dir(path)
+        _check_private_dir(path, what)
     else:
         os.chmod(path, 0o700)
+
+
+make_private_dir = _make_private_dir
+"""Public name: every directory of user data (disk tier, --kv-key-dir) is made and checked here."""
 
 
 def entry_path(directory: str | os.PathLike, key: bytes) -> Path:
@@ -162,6 +170,10 @@ class DiskTier(Tier):
             _make_private_dir(root)
         _make_private_dir(self.dir)
         _make_private_dir(self.dir / "owners")
+        self._fs_block_bytes = max(512, os.stat(self.dir).st_blksize or 4096)
+        """The file system's allocation unit, to reserve room before a write (see charged_bytes)."""
+        self._manifest_errors: dict[str, int] = {}
+        """Owner-manifest lines or reads that could not be used, per cause (see owner_keys)."""
         self._rebuild_index()
         with self._lock:
             victims = self._take_victims(self._capacity_bytes, keep=None)
@@ -204,7 +216,7 @@ class DiskTier(Tier):
                         continue  # not ours, or gone
                     if key.hex()[:2] != sub.name:
                         continue
-                    found.append((st.st_mtime, key, st.st_size))
+                    found.append((st.st_mtime, key, st.st_blocks * 512 or self.charged_bytes(st.st_size)))
         found.sort()
         for _, key, size in found:
             self._index.insert(key, None, size)
@@ -238,7 +250,7 @@ class DiskTier(Tier):
     def owner_keys(self, owner_id: str, written_before: float | None = None) -> list[bytes]:
         """The owner's keys (those last written before `written_before`, a time.time(), if given)."""
         try:
-            text = self._owner_path(owner_id).read_text()
+            text = self._owner_path(owner_id).read_bytes().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return []
         except OSError as exc:
@@ -251,12 +263,39 @@ class DiskTier(Tier):
                 key = bytes.fromhex(parts[0])
                 t = float(parts[1]) if len(parts) > 1 else 0.0
             except (ValueError, IndexError):
+                if parts:  # a torn or damaged line: its block is missed by a purge, so say so
+                    self._manifest_error("unparsable_line", owner_id)
                 continue
             if len(key) == 16:
                 latest[key] = max(t, latest.get(key, 0.0))
+            else:
+                self._manifest_error("bad_key_length", owner_id)
         if written_before is None:
             return list(latest)
         return [k for k, t in latest.items() if t < written_before]
+
+    def _manifest_error(self, cause: str, owner_id: str) -> None:
+        """Count an owner-manifest entry that could not be read (`manifest_errors`), with a
+        warning the first time each cause is seen."""
+        with self._manifest_lock:
+            first = cause not in self._manifest_errors
+            self._manifest_errors[cause] = self._manifest_errors.get(cause, 0) + 1
+        self._count_error(f"owner_manifest_{cause}")
+        if first:
+            logger.warning(
+                "disk tier %s: an owner manifest (%s) has an entry that cannot be read (%s); that "
+                "block is not found by a purge or TTL of its tenant (each is counted in "
+                "kvtier:tier_errors_total)",
+                self.dir,
+                owner_id,
+                cause,
+            )
+
+    @property
+    def manifest_errors(self) -> dict[str, int]:
+        """{cause: count} of owner-manifest entries that could not be read."""
+        with self._manifest_lock:
+            return dict(self._manifest_errors)
 
     def expire_owner(self, owner_id: str, ttl_s: float) -> int:
         """Delete the owner's entries written more than `ttl_s` ago; returns how many."""
@@ -357,8 +396,14 @@ class DiskTier(Tier):
             os.close(fd)
         return data
 
+    def charged_bytes(self, nbytes: int) -> int:
+        """What a file of `nbytes` costs on the file system before it is written: rounded up to
+        whole blocks (the reservation; the index then holds the real st_blocks * 512)."""
+        block = self._fs_block_bytes
+        return -(-nbytes // block) * block
+
     def _put(self, key: bytes, payload: bytes, ttl_s: float | None) -> bool:
-        size = len(payload)
+        size = self.charged_bytes(len(payload))  # what the file system charges, not the apparent size
         if size > self._capacity_bytes:
             self._count_error("too_large")
             return False
@@ -371,14 +416,14 @@ class DiskTier(Tier):
         try:
             self._remove_files(victims, evicted=True)
             try:
-                tmp = self._write_temp(key, payload)
+                tmp, allocated = self._write_temp(key, payload)
             except OSError as exc:
                 if exc.errno not in _NO_SPACE_ERRNOS:
                     raise
                 self._make_room_after_disk_full(key, size, exc)
-                tmp = self._write_temp(key, payload)  # full again: a real failure (gate trips)
+                tmp, allocated = self._write_temp(key, payload)  # full again: a real failure (gate trips)
                 self._count_error("disk_full")  # resolved by eviction: counted, gate stays closed
-            self._install(key, tmp, size)
+            self._install(key, tmp, size, allocated or size)
             installed = True
         finally:
             if not installed:
@@ -399,8 +444,9 @@ class DiskTier(Tier):
             victims = self._take_victims(self._index.usage_bytes - room_bytes, keep=key)
         self._remove_files(victims, evicted=True)
 
-    def _write_temp(self, key: bytes, payload: bytes) -> Path:
-        """Write `payload` to a new 0600 temp file beside the entry's path; returns its path."""
+    def _write_temp(self, key: bytes, payload: bytes) -> tuple[Path, int]:
+        """Write `payload` to a new 0600 temp file beside the entry's path; returns its path and
+        the bytes the file system allocated for it (st_blocks * 512; 0 when not known yet)."""
         path = self._path(key)
         tmp = path.parent / f".{path.stem}.{os.getpid()}.{next(self._tmp_ids)}{_TMP_SUFFIX}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -417,15 +463,17 @@ class DiskTier(Tier):
                     view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
+                allocated = os.fstat(fd).st_blocks * 512
             finally:
                 os.close(fd)
         except BaseException:
             self._unlink_quietly(tmp)
             raise
-        return tmp
+        return tmp, allocated
 
-    def _install(self, key: bytes, tmp: Path, size: int) -> None:
-        """Rename the temp file into place and index it, under the key's lock."""
+    def _install(self, key: bytes, tmp: Path, size: int, allocated: int) -> None:
+        """Rename the temp file into place and index it at its `allocated` bytes (what the cap
+        and usage count), under the key's lock; `size` is the reservation it replaces."""
         path = self._path(key)
         with self._key_lock(key):
             self._before_io("replace", key)
@@ -436,7 +484,7 @@ class DiskTier(Tier):
                 raise
             with self._lock:
                 self._reserved_bytes -= size
-                self._index.insert(key, None, size)  # a replaced entry frees its bytes
+                self._index.insert(key, None, allocated)  # a replaced entry frees its bytes
         if self.fsync:
             dfd = os.open(path.parent, os.O_RDONLY)
             try:
@@ -465,7 +513,8 @@ class DiskTier(Tier):
     # -- sizes ---------------------------------------------------------------------------------------
     @property
     def usage_bytes(self) -> int:
-        """Exact: the sum of the frames' sizes in the index."""
+        """What the entries cost on the file system: the sum of their allocated bytes
+        (st_blocks * 512), which the capacity caps; not their apparent sizes."""
         return self._index.usage_bytes
 
     @property

@@ -21,6 +21,7 @@ be reached a cached key stays in use (nothing of the tenant in Redis is readable
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -35,10 +36,20 @@ from kvtier.tiers.crypto import KEY_BYTES, NONCE_BYTES, KeyDestroyedError
 
 MAGIC = b"KVK1"
 KEY_ID_BYTES = 16
+KEY_CHECK_NAME = b"keycheck"
+KEY_CHECK_LABEL = b"kvtier fleet master key check v1\x00"
+"""The key-check record, "<prefix>:<fingerprint>:keycheck" -> HMAC-SHA256(master, label | prefix)."""
+
+logger = logging.getLogger("kvtier.tiers")
 
 
 class KeyringError(RuntimeError):
     """The fleet keyring cannot give a key (a wrong master key, Redis unreachable)."""
+
+
+class KeyDomainError(KeyringError, ValueError):
+    """This master key is not the one the fleet sharing the Redis uses (the key-check record
+    differs): a configuration error, so the CLI says it in one line and exits non-zero."""
 
 
 def read_master_key(path: str | os.PathLike) -> bytes:
@@ -107,6 +118,44 @@ class FleetKeyring:
         self.on_revoked = on_revoked
         self._lock = threading.Lock()
         self._cached: dict[str, tuple[FleetCipher, float]] = {}  # tenant -> (cipher, checked at)
+        import hmac
+
+        self._check_mac = hmac.new(master_key, KEY_CHECK_LABEL + remote._name_prefix, "sha256").digest()
+        self._domain_checked = False
+        try:
+            self.verify_domain()  # a different master key than the fleet's: refused at start
+        except TierError as e:
+            logger.warning(
+                "cannot reach Redis to check --kv-master-key-file against the fleet's (%s); "
+                "the shared tier's keys stay unused until the check passes",
+                e,
+            )
+
+    def verify_domain(self, again: bool = False) -> None:
+        """Prove this master key is the fleet's: the key-check record in Redis (an HMAC of a
+        fixed label under the master key, never the key) is written on first start and compared
+        after. Raises KeyringError on a mismatch (another master key owns this Redis), TierError
+        when Redis cannot be asked. Every key use and every purge of Redis entries checks first.
+        `again`: check (and rewrite) even if an earlier check passed, after a clear of Redis."""
+        if self._domain_checked and not again:
+            return
+        name = self.remote._name_prefix + KEY_CHECK_NAME
+        mac = self._check_mac
+
+        def op() -> Any:
+            client = self.remote._redis()
+            client.set(name, mac, nx=True)
+            return client.get(name)
+
+        import hmac
+
+        theirs = self.remote.call("keyring_check", op)
+        if theirs is None or not hmac.compare_digest(bytes(theirs), mac):
+            raise KeyDomainError(
+                "--kv-master-key-file differs from the master key of the other instances sharing this "
+                "Redis (its key-check record does not match): give every instance the same file"
+            )
+        self._domain_checked = True
 
     def _name(self, tenant: str) -> bytes:
         from kvtier.tiers.hierarchy import owner_id
@@ -140,6 +189,7 @@ class FleetKeyring:
     def check(self, tenant: str) -> FleetCipher | None:
         """Re-read the tenant's wrapped key now; its cipher, or None when there is none. A
         cached key that is gone or replaced is forgotten and reported to `on_revoked`."""
+        self.verify_domain()
         name = self._name(tenant)
         blob = self._get(name)  # TierError when Redis cannot be asked
         fresh = None if blob is None else self._unwrap(name, blob)
@@ -194,6 +244,14 @@ class FleetKeyring:
         except (TierError, KeyringError):
             pass
 
+    def refresh_all(self) -> None:
+        """`refresh` every cached key (the periodic key check, with or without requests): a
+        key another instance destroyed is reported to `on_revoked` within `check_interval_s`."""
+        with self._lock:
+            tenants = list(self._cached)
+        for tenant in tenants:
+            self.refresh(tenant)
+
     def has_key(self, tenant: str) -> bool:
         return self._get(self._name(tenant)) is not None
 
@@ -216,11 +274,13 @@ class FleetKeyring:
         with self._lock:
             for tenant in [t for t in self._cached if owner_id(t) == oid]:
                 del self._cached[tenant]
+        self.verify_domain()  # never delete what another master key's fleet owns
         name = self._name_oid(oid)
         return bool(self.remote.call("keyring_destroy", lambda: self.remote._redis().unlink(name)))
 
     def destroy_all(self) -> int:
         """Delete every wrapped key of this model configuration. Raises TierError."""
+        self.verify_domain()
         with self._lock:
             self._cached.clear()
         pattern = self.remote._name_prefix.replace(b"*", b"\\*") + b"datakey:*"

@@ -44,6 +44,7 @@ triggers the same resync.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import ssl
@@ -391,6 +392,57 @@ class RemoteTier(Tier):
             except ValueError:
                 continue
         return out
+
+    def contains_count(self, keys: list[bytes], owner_id: str | None = None) -> int:
+        """How many of `keys` the server still holds (pipelined EXISTS, a round trip per batch):
+        entries its TTL or eviction removed are not counted, and with `owner_id` they are
+        dropped from the owner's set too. 0 when the server cannot be asked."""
+        held = 0
+        gone: list[bytes] = []
+        try:
+            for start in range(0, len(keys), _BATCH):
+                chunk = keys[start : start + _BATCH]
+
+                def op(chunk: list[bytes] = chunk) -> list[Any]:
+                    pipe = self._pipeline()
+                    for key in chunk:
+                        pipe.exists(self._name(key))
+                    return pipe.execute()
+
+                found = self.call("owner_usage", op)
+                held += sum(1 for f in found if f)
+                gone += [k for k, f in zip(chunk, found) if not f]
+            if owner_id is not None and gone:
+                members = [k.hex() for k in gone]
+                self.call("owner_usage", lambda: self._redis().srem(self._owner_set(owner_id), *members))
+        except TierError:
+            return held
+        return held
+
+    def drain_owner(self, owner_id: str) -> int:
+        """Delete every entry recorded for `owner_id` and its set: rounds of SRANDMEMBER (a
+        batch of members, read without removing them), UNLINK of their entries, then SREM of
+        those members, until the set is gone. A block recorded while the purge runs is taken
+        by a later round, so none survives it. Idempotent: a member leaves the set only after
+        its entry is deleted, so a round cut short (TierError, raised) loses nothing for the
+        retry. Returns how many entries existed."""
+        name = self._owner_set(owner_id)
+        removed = 0
+        while True:
+            members = self.call("purge", lambda: self._redis().srandmember(name, _BATCH))
+            if not members:
+                return removed
+            keys: list[bytes] = []
+            for m in members:
+                try:
+                    keys.append(bytes.fromhex(m.decode() if isinstance(m, bytes) else m))
+                except ValueError:
+                    continue  # not one of ours: dropped from the set below
+            removed += self.unlink(keys)
+            self.call("purge", functools.partial(self._srem, name, list(members)))
+
+    def _srem(self, name: bytes, members: list[Any]) -> int:
+        return int(self._redis().srem(name, *members))
 
     def forget_owner(self, owner_id: str, strict: bool = False) -> None:
         """Drop the owner's set (`strict`: raise TierError when the server cannot be asked)."""

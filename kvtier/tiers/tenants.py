@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier import threads
 from kvtier.tiers.base import TierError
+from kvtier.tiers.keyring import KeyringError
 from kvtier.tiers.purge import ALL, PurgeLedger
 
 if TYPE_CHECKING:
@@ -130,7 +131,10 @@ class TenantAdmin:
             tier = self._h.tiers.get(name)
             if tier is not None:
                 keys = tier.owner_keys(owner_id(owner))
-                n = tier.contains_count(keys) if hasattr(tier, "contains_count") else len(keys)
+                if name == "remote":  # entries the server's TTL removed are not counted
+                    n = tier.contains_count(keys, owner_id(owner))
+                else:
+                    n = tier.contains_count(keys) if hasattr(tier, "contains_count") else len(keys)
                 out[name] = {"blocks": n}
         return out
 
@@ -192,7 +196,7 @@ class TenantAdmin:
                 if "remote" in h.tiers:
                     try:
                         counts["remote"] = self._purge_remote(oid)
-                    except TierError as e:
+                    except (TierError, KeyringError) as e:
                         logger.warning("purge of tenant %s: remote tier not purged (%s); pending", oid, e)
                         counts["remote"] = None
                         pending.append("remote")
@@ -230,15 +234,18 @@ class TenantAdmin:
         owner set and, with fleet keys, its wrapped data key. Raises TierError."""
         remote = self._h.tiers["remote"]
         fleet = self._h.fleet_keys
+        if fleet is not None:
+            fleet.verify_domain()  # KeyringError: these entries belong to another master key
         if oid == ALL:
             n = remote.clear(strict=True)
             if fleet is not None:
                 fleet.destroy_all()
+                fleet.verify_domain(again=True)  # clear() took the key-check record too
             return n
-        n = remote.unlink(remote.owner_keys(oid, strict=True))
-        remote.forget_owner(oid, strict=True)
+        n = remote.drain_owner(oid)
         if fleet is not None:
             fleet.destroy_oid(oid)
+            n += remote.drain_owner(oid)  # blocks another instance stored under the old key meanwhile
         return n
 
     def retry_pending_purges(self, wait_gate_s: float = 5.0) -> dict[str, list[str]]:
@@ -252,7 +259,7 @@ class TenantAdmin:
             try:
                 if remote is not None:
                     self._purge_remote(oid)
-            except TierError as e:
+            except (TierError, KeyringError) as e:
                 logger.info("pending purge of %s still pending: %s", oid, e)
                 continue
             self._h.fence.begin(oid)
@@ -291,7 +298,7 @@ class TenantAdmin:
             if "remote" in h.tiers:
                 try:
                     counts["remote"] = self._purge_remote(ALL)
-                except TierError as e:
+                except (TierError, KeyringError) as e:
                     logger.warning("purge of every tenant: remote tier not purged (%s); pending", e)
                     counts["remote"] = None
                     pending.append("remote")

@@ -112,10 +112,16 @@ CASES = [
         400,
         None,
     ),
-    ("integer of 5000 digits", "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", 400, None),
-    ("number out of range", "/v1/completions", b'{"prompt": "hi", "temperature": 1e400}', 400, None),
-    ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, None),
-    ("Infinity", "/v1/chat/completions", b'{"messages": [], "top_p": -Infinity}', 400, None),
+    (
+        "integer of 5000 digits",
+        "/v1/completions",
+        b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+        400,
+        "max_tokens",
+    ),
+    ("number out of range", "/v1/completions", b'{"prompt": "hi", "temperature": 1e400}', 400, "temperature"),
+    ("NaN", "/v1/completions", b'{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("Infinity", "/v1/chat/completions", b'{"messages": [], "top_p": -Infinity}', 400, "top_p"),
     ("seed beyond 64 bits", "/v1/completions", {**OK_COMPLETION, "seed": 2**64}, 400, "seed"),
 ]
 

@@ -156,7 +156,8 @@ def test_normal_clients_complete_while_hostile_requests_are_answered(big_server)
     async def run() -> tuple[list[httpx.Response], list[list[int]]]:
         async with httpx.AsyncClient(base_url=big_server.url, timeout=120) as client:
             paths = ["/v1/completions"] * 3 + ["/v1/chat/completions"]
-            bad = [client.post(p, content=json.dumps(b)) for p, b in zip(paths * 2, hostile * 2)]
+            headers = {"content-type": "application/json"}
+            bad = [client.post(p, content=json.dumps(b), headers=headers) for p, b in zip(paths * 2, hostile * 2)]
             good = [_stream_tokens(client, f"client {i} says hello", 8) for i in range(4)]
             results = await asyncio.gather(*bad, *good)
             return list(results[: len(bad)]), list(results[len(bad) :])

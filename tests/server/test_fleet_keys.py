@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import httpx
 import pytest
@@ -80,7 +81,7 @@ def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp
     # a purges acme: the one wrapped key and every Redis entry go, for the whole fleet
     res = call(a, "DELETE", "/v1/cache", "sk-a")
     assert res.status_code == 200 and res.json()["data_key_destroyed"] is True, res.text
-    assert list(r.scan_iter(match="kvtier:*")) == []
+    assert [k for k in r.scan_iter(match="kvtier:*") if not k.endswith(b":keycheck")] == []
 
     # b notices on acme's next request: its device, host and disk copies are dropped
     assert cached(b) == 0
@@ -93,6 +94,79 @@ def test_two_instances_share_one_wrapped_key_and_a_purge_reaches_both(serve, tmp
             decode(stolen, fingerprint=fp, key=bytes.fromhex(b_disk.stem), cipher=cipher)
     finally:
         remote.close()
+    for s in (a, b):
+        ok = call(s, "POST", "/admin/check_integrity", "sk-admin")
+        assert ok.status_code == 200 and ok.json()["ok"] is True and ok.json()["num_unfinished"] == 0
+
+
+def fleet_flags(keys, master, disk, redis_url: str, interval: str = "0") -> list[str]:
+    return [
+        "--api-keys",
+        str(keys),
+        "--disk-cache-dir",
+        str(disk),
+        "--remote-cache-url",
+        redis_url,
+        "--kv-master-key-file",
+        str(master),
+        "--kv-key-check-interval-s",
+        interval,
+        "--restore-policy",
+        "always",
+    ]
+
+
+def test_an_instance_with_another_master_key_refuses_to_start_and_purges_nothing(serve, tmp_path, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    master, other = tmp_path / "master.key", tmp_path / "other.key"
+    master.write_bytes(os.urandom(32))
+    other.write_bytes(os.urandom(32))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
+    a = serve(*fleet_flags(keys, master, tmp_path / "a", redis_url))
+    cached(a)
+    assert call(a, "GET", "/v1/cache", "sk-a").json()["tiers"]["remote"]["blocks"] > 0  # stores landed
+    before = acme_entries(r)
+    assert len(before) > 1 and [k for k in r.scan_iter(match="kvtier:*:keycheck")]
+    assert master.read_bytes() not in b"".join(v for v in before.values() if v)  # the record is a MAC
+    with pytest.raises(RuntimeError, match=r"exited with [1-9].*") as refused:
+        serve(*fleet_flags(keys, other, tmp_path / "b", redis_url))
+    log = str(refused.value)
+    assert "--kv-master-key-file differs from the master key of the other instances" in log
+    assert acme_entries(r) == before  # nothing of the fleet's was deleted or overwritten
+    assert cached(a) > 0  # and the fleet still reads it
+    ok = call(a, "POST", "/admin/check_integrity", "sk-admin")
+    assert ok.status_code == 200 and ok.json()["ok"] is True
+
+
+def test_a_purge_elsewhere_empties_an_idle_instance_within_the_check_interval(serve, tmp_path, redis_url):
+    """b gets no request of acme after a's purge: its periodic key check alone drops acme's
+    device, host and disk copies (polled over the check, not timed)."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    master = tmp_path / "master.key"
+    master.write_bytes(os.urandom(32))
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": {"sk-a": "acme", "sk-admin": {"tenant": "ops", "admin": True}}}))
+    a = serve(*fleet_flags(keys, master, tmp_path / "a", redis_url, "0.2"))
+    b = serve(*fleet_flags(keys, master, tmp_path / "b", redis_url, "0.2"), "--host-cache-bytes", "8MiB")
+    cached(a)
+    assert cached(b) > 0  # b holds acme's KV now: device and host/disk copies
+    assert cached(b, prompt=PROMPT + "b's own continuation") > 0
+
+    def held(s) -> int:
+        tiers = call(s, "GET", "/v1/cache", "sk-a").json()["tiers"]
+        return sum(tiers[t]["blocks"] for t in ("device", "host", "disk") if t in tiers)
+
+    assert held(b) > 0
+    res = call(a, "DELETE", "/v1/cache", "sk-a")
+    assert res.status_code == 200 and res.json()["data_key_destroyed"] is True, res.text
+    for _ in range(600):  # bounded polling over the 0.2 s check (no timed assertion)
+        if held(b) == 0:
+            break
+        time.sleep(0.05)
+    assert held(b) == 0, call(b, "GET", "/v1/cache", "sk-a").text
     for s in (a, b):
         ok = call(s, "POST", "/admin/check_integrity", "sk-admin")
         assert ok.status_code == 200 and ok.json()["ok"] is True and ok.json()["num_unfinished"] == 0

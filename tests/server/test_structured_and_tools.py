@@ -122,7 +122,7 @@ def test_completions_regex_choice_and_stream(server):
     "body,param",
     [
         ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex"),
-        ({"guided_regex": "(unclosed"}, "structured_outputs"),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
         ({"response_format": {"type": "yaml"}}, "response_format"),
         ({"guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),

@@ -25,7 +25,15 @@ def vserver(serve, tmp_path_factory):
     admin.write_text("sk-admin-key-0123456789abcdef\n")
     admin.chmod(0o600)
     s = serve(
-        "--served-model-name", MODEL_NAME, "tiny-alias", "--api-key", "sk-one", "sk-two", "--admin-key-file", str(admin)
+        "--served-model-name",
+        MODEL_NAME,
+        "tiny-alias",
+        "--api-key",
+        "sk-one",
+        "sk-two",
+        "--admin-key-file",
+        str(admin),
+        "--trust-request-chat-template",  # test_request_chat_template_and_continue sends its own
     )
     yield s
     assert "Traceback" not in s.log(), s.log()

@@ -22,12 +22,16 @@ def key(i: int) -> bytes:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_memory_tier_evicts_and_orders_like_the_disk_tier(tmp_path, seed):
     rng = random.Random(seed)
-    disk = DiskTier(tmp_path / "d", 1000, fingerprint=bytes(16))
-    mem = MemoryTier(1000)
+    disk = DiskTier(tmp_path / "d", 1, fingerprint=bytes(16))
+    unit = disk.charged_bytes(1)  # the file system's allocation unit: both charge whole units
+    disk.close()
+    disk = DiskTier(tmp_path / "d", 10 * unit, fingerprint=bytes(16))
+    mem = MemoryTier(10 * unit, alloc_bytes=unit)
     for step in range(600):
         op, k = rng.random(), key(rng.randrange(40))
         if op < 0.45:
-            payload = bytes(rng.choice([90, 100, 150, 1200]))  # 1200: too large for either
+            size = rng.choice([90, unit - 1, unit, unit + 1, 3 * unit, 11 * unit])  # 11 units: too large for either
+            payload = bytes(size)
             assert mem.put(k, payload) == disk.put(k, payload), step
         elif op < 0.75:
             got_m, got_d = mem.get(k), disk.get(k)
@@ -70,7 +74,7 @@ def test_serial_executor_runs_a_job_submitted_by_a_job_after_it():
 
 
 def _hierarchy(write_policy: str, host_blocks: int, disk_blocks: int) -> SimHierarchy:
-    tiers = {"host": HostTier(host_blocks * 100), "disk": MemoryTier(disk_blocks * 200)}
+    tiers = {"host": HostTier(host_blocks * 100), "disk": MemoryTier(disk_blocks * 200, alloc_bytes=1)}
     cost = CostModel(list(tiers), 100, 4)
     return SimHierarchy(
         TierConfig(cache_write_policy=write_policy, io_threads=1),

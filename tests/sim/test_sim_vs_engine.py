@@ -15,6 +15,7 @@ the next request arrives (the simulator's stores complete at once).
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -93,14 +94,21 @@ def sizes(model_dir) -> tuple[int, int]:
     return eng.runner.kv_bytes_per_block, len(frame)
 
 
+def alloc_unit(path) -> int:
+    """The file system's allocation unit under `path`, as DiskTier reads it."""
+    return max(512, os.stat(path).st_blksize or 4096)
+
+
 def run_engine(model_dir, tmp_path, trace, write_policy, host_blocks, disk_blocks, sizes):
     from kvtier.engine.core import EngineCore
 
     block_bytes, frame_bytes = sizes
+    unit = alloc_unit(tmp_path)
+    charge = -(-frame_bytes // unit) * unit  # the disk tier counts what the file system allocates
     tiers = TierConfig(
         host_cache_bytes=host_blocks * block_bytes,
         disk_cache_dir=str(tmp_path / "disk") if disk_blocks else None,
-        disk_cache_bytes=disk_blocks * frame_bytes + frame_bytes // 2 if disk_blocks else None,
+        disk_cache_bytes=disk_blocks * charge + charge // 2 if disk_blocks else None,
         cache_write_policy=write_policy,
         restore_policy="always",
         io_threads=1,
@@ -154,6 +162,7 @@ def test_simulator_and_engine_agree_per_tier(model_dir, sizes, tmp_path, seed, w
         block_bytes=sizes[0],
         host_blocks=host_blocks,
         disk_blocks=disk_blocks or None,
+        disk_alloc_bytes=alloc_unit(tmp_path),
         write_policy=write_policy,
         restore_policy="always",
     )

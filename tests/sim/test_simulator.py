@@ -202,10 +202,16 @@ def test_config_errors_say_what_to_do():
 
 
 def test_capacities_in_bytes_count_whole_blocks():
-    sim = TraceSimulator(4, block_tokens=4, block_bytes=100, host_bytes=250, disk_bytes=450)
+    sim = TraceSimulator(4, block_tokens=4, block_bytes=100, host_bytes=250, disk_bytes=450, disk_alloc_bytes=1)
     assert (sim.point.host_blocks, sim.point.disk_blocks) == (2, 2)  # disk frames are 200 bytes
     sim.replay(load_trace([rec([1, 2, 3])], 4))
     assert (len(sim.host), len(sim.disk)) == (2, 2)
+    sim.check_integrity()
+    # the disk tier charges whole file-system blocks: a 200-byte frame costs 4096 by default
+    sim = TraceSimulator(4, block_tokens=4, block_bytes=100, host_bytes=250, disk_bytes=3 * 4096 - 1)
+    assert sim.point.disk_blocks == 2
+    sim.replay(load_trace([rec([1, 2, 3])], 4))
+    assert len(sim.disk) == 2 and sim.disk.usage_bytes == 2 * 4096
     sim.check_integrity()
 
 

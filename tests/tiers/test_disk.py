@@ -10,6 +10,7 @@ import os
 import resource
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,9 @@ from .conftest import FINGERPRINT, OTHER_FINGERPRINT, ManualClock, make_keys
 
 SHAPE = (2, 4, 2, 64)  # a small block: 2 KiB of bf16
 FRAME_BYTES = payload_nbytes_estimate(SHAPE, torch.bfloat16)
+_FS_BLOCK = os.stat(tempfile.gettempdir()).st_blksize
+CHARGED = -(-FRAME_BYTES // _FS_BLOCK) * _FS_BLOCK
+"""What one frame costs on the file system (whole blocks): what usage and the capacity count."""
 
 
 def block(i: int) -> torch.Tensor:
@@ -36,7 +40,7 @@ def frame(key: bytes, i: int) -> bytes:
 
 
 def files_on_disk(tier: DiskTier) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in tier.dir.glob("*/*") if p.is_file()}
+    return {p.name: p.stat().st_blocks * 512 for p in tier.dir.glob("*/*") if p.is_file()}
 
 
 def test_put_get_contains_prefix_and_stats(tmp_path: Path) -> None:
@@ -50,7 +54,7 @@ def test_put_get_contains_prefix_and_stats(tmp_path: Path) -> None:
     assert torch.equal(load_tensor(tier, keys[2], fingerprint=FINGERPRINT), block(2))
     assert load_tensor(tier, keys[4], fingerprint=FINGERPRINT) is None
     path = tier.dir / keys[0].hex()[:2] / f"{keys[0].hex()}.kv"
-    assert path.is_file() and tier.usage_bytes == 3 * FRAME_BYTES
+    assert path.is_file() and tier.usage_bytes == 3 * CHARGED
     s = tier.stats
     assert (s.puts, s.queries, s.hits, s.lookups, s.lookup_hits) == (3, 2, 1, 11, 5)
     assert s.bytes_written == 3 * FRAME_BYTES and s.bytes_read == FRAME_BYTES
@@ -62,17 +66,17 @@ def test_put_get_contains_prefix_and_stats(tmp_path: Path) -> None:
 
 def test_lru_eviction_keeps_usage_within_capacity(tmp_path: Path) -> None:
     a, b, c, d = make_keys(4)
-    tier = DiskTier(tmp_path, 3 * FRAME_BYTES, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 3 * CHARGED, fingerprint=FINGERPRINT)
     for i, key in enumerate((a, b, c)):
         tier.put(key, frame(key, i))
     assert tier.get(a) is not None  # a is now the most recent: b is the LRU entry
     assert tier.put(d, frame(d, 3))
     assert set(tier.keys()) == {a, c, d} and tier.stats.evictions == 1
-    assert tier.usage_bytes == 3 * FRAME_BYTES == sum(files_on_disk(tier).values())
+    assert tier.usage_bytes == 3 * CHARGED == sum(files_on_disk(tier).values())
     # replacing an entry does not count it twice or evict anyone
     assert tier.put(c, frame(c, 2)) and tier.stats.evictions == 1 and len(tier) == 3
     # a payload larger than the whole tier is refused; that is no backend failure
-    assert not tier.put(a, b"x" * (3 * FRAME_BYTES + 1))
+    assert not tier.put(a, b"x" * (3 * CHARGED + 1))
     assert tier.healthy and tier.stats.errors == {"too_large": 1}
 
 
@@ -87,10 +91,10 @@ def test_warm_start_finds_entries_and_keeps_lru_order(tmp_path: Path) -> None:
     tier.close()
 
     again = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
-    assert again.contains_prefix(keys) == 3 and again.usage_bytes == 3 * FRAME_BYTES
+    assert again.contains_prefix(keys) == 3 and again.usage_bytes == 3 * CHARGED
     assert torch.equal(load_tensor(again, keys[2], fingerprint=FINGERPRINT), block(2))
     # a smaller capacity at start evicts in the persisted LRU order
-    small = DiskTier(tmp_path, 2 * FRAME_BYTES, fingerprint=FINGERPRINT)
+    small = DiskTier(tmp_path, 2 * CHARGED, fingerprint=FINGERPRINT)
     assert set(small.keys()) == {keys[0], keys[2]} and small.stats.evictions == 1
     # another model configuration in the same root sees nothing
     assert DiskTier(tmp_path, 1 << 20, fingerprint=OTHER_FINGERPRINT).contains_prefix(keys) == 0
@@ -228,7 +232,7 @@ def test_disk_full_by_file_size_limit(tmp_path: Path) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
         signal.signal(signal.SIGXFSZ, old_handler)
     assert tier.stats.errors == {"disk_full": 1} and not tier.healthy
-    assert set(files_on_disk(tier)) == {f"{a.hex()}.kv"} and tier.usage_bytes == FRAME_BYTES
+    assert set(files_on_disk(tier)) == {f"{a.hex()}.kv"} and tier.usage_bytes == CHARGED
 
 
 # -- fault injection and health ----------------------------------------------------------------------
@@ -330,7 +334,7 @@ def test_fault_config_parse() -> None:
 
 def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
     keys = make_keys(64)
-    tier = DiskTier(tmp_path, 16 * FRAME_BYTES, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 16 * CHARGED, fingerprint=FINGERPRINT)
     errors: list[BaseException] = []
 
     def worker(offset: int) -> None:
@@ -354,7 +358,7 @@ def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
     assert not errors
     assert tier.usage_bytes <= tier.capacity_bytes
     on_disk = files_on_disk(tier)
-    assert on_disk == {f"{k.hex()}.kv": FRAME_BYTES for k in tier.keys()}
+    assert on_disk == {f"{k.hex()}.kv": CHARGED for k in tier.keys()}
     assert tier.usage_bytes == sum(on_disk.values())
     s = tier.stats
     assert s.corrupt == 0 and s.errors == {} and s.evictions > 0

@@ -7,8 +7,10 @@ Also: HostTier calls out (eviction callbacks, purge predicates) without its lock
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import sys
+import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -25,8 +27,14 @@ STALL_GUARD_S = 30.0
 hanging a broken build, never a measurement (the tests assert with events)."""
 
 
+def charged(nbytes: int) -> int:
+    """What a file of `nbytes` costs on the file system (whole blocks): what the cap counts."""
+    block = os.stat(tempfile.gettempdir()).st_blksize
+    return -(-nbytes // block) * block
+
+
 def files_on_disk(tier: DiskTier) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in tier.dir.glob("*/*") if p.is_file()}
+    return {p.name: p.stat().st_blocks * 512 for p in tier.dir.glob("*/*") if p.is_file()}
 
 
 def assert_index_matches_files(tier: DiskTier) -> None:
@@ -79,7 +87,7 @@ def watch_file_system_calls(tier: DiskTier) -> list[tuple[str, bool]]:
 
 def test_no_file_system_call_runs_under_the_index_lock(tmp_path: Path) -> None:
     keys = make_keys(8)
-    tier = DiskTier(tmp_path, 4 * 1000, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 4 * charged(1000), fingerprint=FINGERPRINT)
     calls = watch_file_system_calls(tier)
     try:
         for key in keys[:6]:  # the last two evict
@@ -120,7 +128,7 @@ def frame_of(key: bytes, tag: int) -> bytes:
 @pytest.mark.parametrize("op", ["write", "replace", "unlink-delete", "unlink-evict", "read"])
 def test_contains_prefix_answers_while_a_file_operation_is_stuck(tmp_path: Path, op: str) -> None:
     a, b, c, d = make_keys(4)
-    tier = DiskTier(tmp_path, 3 * 1000, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 3 * charged(1000), fingerprint=FINGERPRINT)
     for key in (a, b, c):
         tier.put(key, frame_of(key, 0))
     io_op, key, action = {
@@ -148,7 +156,7 @@ def test_contains_prefix_answers_while_a_file_operation_is_stuck(tmp_path: Path,
 
 def test_an_evicted_keys_unlink_spares_a_newer_file_of_that_key(tmp_path: Path) -> None:
     a, b, c = make_keys(3)
-    tier = DiskTier(tmp_path, 2 * 1000, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 2 * charged(1000), fingerprint=FINGERPRINT)
     tier.put(a, frame_of(a, 0))
     tier.put(b, frame_of(b, 0))
     stall = Stall("unlink", a)  # the eviction of a, before its file is removed
@@ -210,7 +218,7 @@ def run_threads(target: Callable[[int], None], num_threads: int) -> None:
 def test_racing_puts_gets_deletes_of_the_same_keys(tmp_path: Path) -> None:
     """Any thread puts, reads, deletes and looks up any key (capacity for about half of them)."""
     keys = make_keys(16)
-    tier = DiskTier(tmp_path, 8 * 1200, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 8 * charged(1200), fingerprint=FINGERPRINT)
     frames_put: dict[bytes, set[bytes]] = {k: set() for k in keys}
     versions = iter(range(1, 1 << 30))  # next() is atomic under the GIL
 
@@ -248,7 +256,7 @@ def test_reads_never_go_back_in_time_with_one_writer_per_key(tmp_path: Path) -> 
     frame or nothing."""
     num_threads = 4
     keys = make_keys(16)
-    tier = DiskTier(tmp_path, 10 * 1200, fingerprint=FINGERPRINT)
+    tier = DiskTier(tmp_path, 10 * charged(1200), fingerprint=FINGERPRINT)
     started = {k: 0 for k in keys}  # newest version whose put began
     completed = {k: 0 for k in keys}  # newest version whose put returned
     last_frame: dict[bytes, bytes] = {}

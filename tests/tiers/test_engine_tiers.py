@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
+from kvtier.tiers.codec import encode
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 BS = 4
@@ -318,8 +319,10 @@ def test_tenant_quotas_cap_host_and_disk_bytes_of_that_tenant_only(model_dir, ex
     llm = engine(model_dir, host_cache_bytes=64 << 20, disk_cache_dir=str(tmp_path / "d"))
     eng = llm.engine
     bb = eng.runner.kv_bytes_per_block
-    # disk frames are a block plus a header of ~100 bytes: room for 8 frames, not 9
-    eng.set_tenant_quota("small", host_bytes=5 * bb, disk_bytes=8 * bb + 1024)
+    # a disk frame is a block plus a header, charged in whole file-system blocks: room for 8, not 9
+    frame = encode(eng.runner.read_block(0), fingerprint=eng.runner.fingerprint, key=bytes(16))
+    charge = eng.tiers.tiers["disk"].charged_bytes(len(frame))
+    eng.set_tenant_quota("small", host_bytes=5 * bb, disk_bytes=8 * charge + charge // 2)
     for tenant in ("small", "big"):
         eng.add_request(p, SP, tenant=tenant, cache_salt=tenant)  # as the server does
         while eng.has_unfinished:
