@@ -6,7 +6,6 @@ hierarchy with no model, so importing them must not pull in heavy or server-side
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -124,103 +123,6 @@ def test_the_engine_config_imports_no_other_kvtier_module() -> None:
 
 
 def test_the_bench_flags_do_not_import_the_kvtier_command() -> None:
-    """kvtier/cli/main.py adds `kvtier bench` from kvtier/bench/cli.py, never the other way round:
+    """kvtier/cli/bench.py adds `kvtier bench` from kvtier/bench/cli.py, never the other way round:
     the flag types they share live in kvtier/cli/args.py."""
     assert "kvtier.cli.main" not in _new_kvtier_modules("import kvtier.bench.cli")
-
-
-# ------------------------------------------------------------------ import cycles
-def _module_names() -> dict[str, Path]:
-    """Every module of the kvtier package by dotted name (a package by its __init__.py)."""
-    out: dict[str, Path] = {}
-    for path in sorted((REPO / "kvtier").rglob("*.py")):
-        parts = list(path.relative_to(REPO).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _top_level_imports(path: Path, module: str) -> list[str]:
-    """Names a module imports when it is imported: statements at module level (also inside
-    if/try/with blocks there), not inside functions or classes, nor under `if TYPE_CHECKING:`.
-    `from a import b` yields both "a" and "a.b" (b may be a submodule)."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    names: list[str] = []
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.Import):
-                names.extend(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    source = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    source = node.module or ""
-                names.append(source)
-                names.extend(f"{source}.{alias.name}" for alias in node.names)
-            elif isinstance(node, ast.If):
-                if not _is_type_checking(node.test):
-                    visit(node.body)
-                visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-                for handler in node.handlers:
-                    visit(handler.body)
-                visit(node.orelse)
-                visit(node.finalbody)
-            elif isinstance(node, (ast.With, ast.For, ast.While)):
-                visit(node.body)
-
-    visit(ast.parse(path.read_text(encoding="utf-8"), str(path)).body)
-    return names
-
-
-def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One cycle of `graph` as [a, b, ..., a], or None (depth-first search, iterative)."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-    for start in sorted(graph):
-        if start in state:
-            continue
-        path = [start]
-        stack = [iter(sorted(graph[start]))]
-        state[start] = 1
-        while stack:
-            nxt = next(stack[-1], None)
-            if nxt is None:
-                state[path.pop()] = 2
-                stack.pop()
-            elif state.get(nxt) == 1:
-                return path[path.index(nxt) :] + [nxt]
-            elif nxt not in state:
-                state[nxt] = 1
-                path.append(nxt)
-                stack.append(iter(sorted(graph[nxt])))
-    return None
-
-
-def test_no_import_cycles_among_kvtier_modules() -> None:
-    """No kvtier module imports, at module level, a module that imports it back (directly or
-    through others): a cycle makes import order matter and half-initialised modules possible.
-    Imports inside functions and under `if TYPE_CHECKING:` do not count."""
-    modules = _module_names()
-    graph = {
-        name: {dep for dep in _top_level_imports(path, name) if dep in modules and dep != name}
-        for name, path in modules.items()
-    }
-    assert sum(map(len, graph.values())) > 50, "the import graph looks empty: is the parser broken?"
-    assert "kvtier.sched.output" in graph["kvtier.sched.scheduler"]
-    cycle = _find_cycle(graph)
-    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-
-
-def test_the_cycle_finder_finds_cycles() -> None:
-    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
-    assert _find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None

@@ -1,4 +1,4 @@
-"""The flags of `kvtier bench` and its handler (kvtier/cli/main.py adds the subcommand).
+"""The flags of `kvtier bench` and its handler (kvtier/cli/bench.py adds the subcommand).
 
 Importing this module is light (no torch, no httpx): `kvtier --help` stays fast.
 """

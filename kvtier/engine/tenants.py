@@ -58,6 +58,9 @@ class EngineTenants:
         """Writes the blocks the cache manager queued for the tiers down (EngineCore._store_blocks)."""
         self.ttl_s: dict[str | None, float] = {}
         """Per-tenant time to live of cached KV, in every tier."""
+        self.clock: Callable[[], float] = time.monotonic
+        """What the device TTL sweep reads as now, against the prefix index's `created`
+        (time.monotonic stamps); injectable: tests run it ahead of the real clock."""
 
     # ------------------------------------------------------------------ purges
     def begin_purge(self, tenant: str | None, everywhere: bool = True) -> tuple[dict[str, int], Future | None]:
@@ -123,7 +126,7 @@ class EngineTenants:
         first) now; the future expires host and disk on the admin worker (Redis expires
         entries itself). Counts per tenant, by str(tenant)."""
         out: dict[str, dict[str, int]] = {}
-        now = time.monotonic()
+        now = self.clock()
         for tenant, ttl in self.ttl_s.items():
             removed = self._evict_cached(_cached_before(tenant, now - ttl))
             out[str(tenant)] = {"device": removed}

@@ -129,11 +129,11 @@ def supported_kv_dtypes() -> tuple[str, ...]:
 
 def evaluate_kv(cfg: EvalKVConfig, log=None) -> EvalKVResult:
     """Run the comparison (see the module docstring). `log(str)` gets progress lines."""
-    from kvtier.model.hf_config import ArchConfig
+    from kvtier.model.loader import arch_config
     from kvtier.model.tokenizer import Tokenizer
 
     max_len = max(cfg.context_lengths)
-    max_positions = ArchConfig.from_dir(Path(cfg.model)).max_position_embeddings
+    max_positions = arch_config(Path(cfg.model)).max_position_embeddings
     if max_len > max_positions:
         raise ValueError(
             f"context length {max_len} exceeds the model's {max_positions} positions; "

@@ -166,7 +166,7 @@ def _size(value: Any, name: str) -> int | None:
         if value <= 0:
             raise ValueError(f"kv_connector_extra_config.{name} must be positive, got {value!r}")
         return int(value)
-    from kvtier.cli.main import parse_size
+    from kvtier.cli.args import parse_size
 
     try:
         return parse_size(str(value))

@@ -1,5 +1,8 @@
 """Architecture description parsed from a Hugging Face model directory's `config.json`.
 
+The file format is chosen above this module (kvtier.model.loader.arch_config: a GGUF file's
+metadata through kvtier.model.gguf, else config.json here); it imports no other kvtier module.
+
 `ArchConfig.from_dir(path)` reads `config.json` (and `generation_config.json` for extra EOS ids)
 without importing transformers, and turns everything the decoder needs into one frozen dataclass.
 Both config dialects are accepted:
@@ -96,13 +99,9 @@ class ArchConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ArchConfig:
-        """From a Hugging Face directory's config.json (and generation_config.json), or from the
-        metadata of a GGUF file (kvtier.model.gguf)."""
+        """From a Hugging Face directory's config.json (and generation_config.json). A path
+        that may also be a GGUF file: kvtier.model.loader.arch_config, which dispatches."""
         model_dir = Path(model_dir)
-        from kvtier.model import gguf
-
-        if gguf.is_gguf(model_dir):
-            return cls.from_dict(gguf.open_checkpoint(str(model_dir)).config(), source=str(model_dir))
         if not model_dir.is_dir():
             raise ModelFilesNotFoundError(
                 f"model directory {str(model_dir)!r} does not exist; pass the path of a local "

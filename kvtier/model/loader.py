@@ -35,6 +35,14 @@ _FINGERPRINT_EDGE_BYTES = 1 << 20
 _INDEX_FILE = "model.safetensors.index.json"
 
 
+def arch_config(model_path: str | Path) -> ArchConfig:
+    """The architecture of a checkpoint: from a GGUF file's metadata (kvtier.model.gguf), else
+    from a Hugging Face directory's config.json (ArchConfig.from_dir)."""
+    if gguf.is_gguf(model_path):
+        return ArchConfig.from_dict(gguf.open_checkpoint(str(model_path)).config(), source=str(model_path))
+    return ArchConfig.from_dir(model_path)
+
+
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The checkpoint's weight files: those named by the shard index, else every *.safetensors."""
     model_dir = Path(model_dir)

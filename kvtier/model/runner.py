@@ -35,7 +35,7 @@ from kvtier.model.hf_config import ArchConfig
 from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
 from kvtier.model.linear import can_pack_linears
 from kvtier.model.llama import DecoderLM
-from kvtier.model.loader import checkpoint_dtype, load_model, model_fingerprint, read_kv_scales
+from kvtier.model.loader import arch_config, checkpoint_dtype, load_model, model_fingerprint, read_kv_scales
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ class ModelRunner:
         if num_blocks is not None and kv_cache_bytes is not None:
             raise ValueError("pass num_blocks or kv_cache_bytes, not both")
         self.model_dir = Path(model_dir)
-        self.arch = ArchConfig.from_dir(self.model_dir)
+        self.arch = arch_config(self.model_dir)
         self.device = torch.device(device) if device is not None else _default_device()
         self.dtype = _resolve_dtype(dtype, self.arch, self.model_dir)
         self.kv_spec: KVDtype = resolve_kv_dtype(kv_cache_dtype, self.dtype)

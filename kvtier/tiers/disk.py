@@ -297,9 +297,10 @@ class DiskTier(Tier):
         with self._manifest_lock:
             return dict(self._manifest_errors)
 
-    def expire_owner(self, owner_id: str, ttl_s: float) -> int:
-        """Delete the owner's entries written more than `ttl_s` ago; returns how many."""
-        old = self.owner_keys(owner_id, written_before=time.time() - ttl_s)
+    def expire_owner(self, owner_id: str, ttl_s: float, now: float | None = None) -> int:
+        """Delete the owner's entries written more than `ttl_s` before `now` (a time.time();
+        default the current one); returns how many."""
+        old = self.owner_keys(owner_id, written_before=(time.time() if now is None else now) - ttl_s)
         return self.purge(old)
 
     def contains_count(self, keys: list[bytes]) -> int:

@@ -20,7 +20,6 @@ tenant methods here delegate to it.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -28,33 +27,21 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.tiers.base import FaultConfig, TierStats
-from kvtier.tiers.host import HostEntry
-from kvtier.tiers.purge import OwnerFence, Stamp
+from kvtier.tiers.crypto import KeyDestroyedError, KeyStore
+from kvtier.tiers.fence import OwnerFence, Stamp
+from kvtier.tiers.host import HostEntry, HostTier
+from kvtier.tiers.keyring import FleetKeyring, KeyringError, read_master_key
+from kvtier.tiers.owners import DEFAULT_OWNER, owner_id  # also re-exported from here, their former home
 from kvtier.tiers.tenants import TenantAdmin
-
-if TYPE_CHECKING:
-    from kvtier.tiers.crypto import KeyStore
-    from kvtier.tiers.keyring import FleetKeyring
 
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_back", "selective")
-DEFAULT_OWNER = "_default"
-"""The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def owner_id(owner: str | None) -> str:
-    """A tenant's name as stored beside its blocks: hashed, so names never reach the disk."""
-    import hashlib
-
-    return hashlib.sha256((owner or DEFAULT_OWNER).encode("utf-8")).hexdigest()[:32]
-
 
 TIER_ORDER = ("host", "disk", "remote")
 
@@ -218,8 +205,6 @@ class TierHierarchy:
         """Tenants whose fleet data key another instance destroyed or replaced: the engine
         purges its own copies of them (AsyncEngine) and clears the entry."""
         if config.master_key_file:
-            from kvtier.tiers.keyring import FleetKeyring, read_master_key
-
             self.keys = FleetKeyring(
                 read_master_key(config.master_key_file),
                 self.tiers["remote"],
@@ -227,8 +212,6 @@ class TierHierarchy:
                 on_revoked=self._on_key_revoked,
             )
         elif config.key_dir:
-            from kvtier.tiers.crypto import KeyStore
-
             self.keys = KeyStore(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
         self._pool = executor or ThreadPoolExecutor(
@@ -247,8 +230,6 @@ class TierHierarchy:
     def use_fleet_keys(self, master_key_file: str, check_interval_s: float = 1.0) -> None:
         """Switch to fleet keys (kvtier.tiers.keyring) before any request runs: what
         `master_key_file` in the config does, for a caller that built the hierarchy already."""
-        from kvtier.tiers.keyring import FleetKeyring, read_master_key
-
         if "remote" not in self.tiers:
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
         self.keys = FleetKeyring(
@@ -263,16 +244,12 @@ class TierHierarchy:
         """The data keys when they are fleet keys (kvtier.tiers.keyring), else None."""
         if self.keys is None:
             return None
-        from kvtier.tiers.keyring import FleetKeyring
-
         return self.keys if isinstance(self.keys, FleetKeyring) else None
 
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
         tiers: dict[str, Any] = {}
         if config.host_cache_bytes:
-            from kvtier.tiers.host import HostTier
-
             tiers["host"] = HostTier(
                 config.host_cache_bytes, faults=config.fault_for("host"), on_evict=self._on_host_evict
             )
@@ -363,9 +340,7 @@ class TierHierarchy:
 
     def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
         """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode."""
-        from kvtier.tiers.codec import CodecError, decode
-        from kvtier.tiers.crypto import KeyDestroyedError
-        from kvtier.tiers.keyring import KeyringError
+        from kvtier.tiers.codec import CodecError, decode  # torch: only when frames are made
 
         try:
             cipher = self._cipher(owner)
@@ -573,9 +548,6 @@ class TierHierarchy:
 
     def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: str | None, names: list[str]) -> None:
         """Write one owner's blocks and record them in its manifests (inside its fence)."""
-        from kvtier.tiers.crypto import KeyDestroyedError
-        from kvtier.tiers.keyring import KeyringError
-
         stored: dict[str, list[bytes]] = {}
         for key, kv in zip(keys, tensors):
             data = None

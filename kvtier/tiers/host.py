@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.tiers.base import FaultConfig, InjectedError, TierCounters
+from kvtier.tiers.fence import Stamp
 from kvtier.tiers.lru import ByteLRU
-from kvtier.tiers.purge import Stamp
 
 
 @dataclass(slots=True)
@@ -29,7 +29,7 @@ class HostEntry:
     stored_at: float
     """time.monotonic() when it was stored: tenant TTLs expire it from here."""
     stamp: Stamp
-    """Its owner's purge-fence stamp when it was made (purge.OwnerFence): a load or a
+    """Its owner's purge-fence stamp when it was made (fence.OwnerFence): a load or a
     write-back demotion of an entry stamped before a purge of its owner uses nothing of it."""
 
 
@@ -197,9 +197,10 @@ class HostTier(TierCounters):
         """Delete every entry of `owner`; returns how many."""
         return self.purge_where(lambda e: e.owner == owner)
 
-    def expire_owner(self, owner: str | None, ttl_s: float) -> int:
-        """Delete `owner`'s entries stored more than `ttl_s` ago; returns how many."""
-        cutoff = time.monotonic() - ttl_s
+    def expire_owner(self, owner: str | None, ttl_s: float, now: float | None = None) -> int:
+        """Delete `owner`'s entries stored more than `ttl_s` before `now` (a time.monotonic();
+        default the current one); returns how many."""
+        cutoff = (time.monotonic() if now is None else now) - ttl_s
         return self.purge_where(lambda e: e.owner == owner and e.stored_at < cutoff)
 
     # ------------------------------------------------------------------ whole tier

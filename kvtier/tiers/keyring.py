@@ -33,9 +33,12 @@ from cryptography.exceptions import InvalidTag
 
 from kvtier.tiers.base import TierError
 from kvtier.tiers.crypto import KEY_BYTES, NONCE_BYTES, KeyDestroyedError
+from kvtier.tiers.owners import owner_id
 
 MAGIC = b"KVK1"
 KEY_ID_BYTES = 16
+DATA_KEY_RECORD = b"datakey:"
+"""A wrapped data key, "<prefix>:<fingerprint>:datakey:<owner id>" (RemoteTier.record_name)."""
 KEY_CHECK_NAME = b"keycheck"
 KEY_CHECK_LABEL = b"kvtier fleet master key check v1\x00"
 """The key-check record, "<prefix>:<fingerprint>:keycheck" -> HMAC-SHA256(master, label | prefix)."""
@@ -120,7 +123,7 @@ class FleetKeyring:
         self._cached: dict[str, tuple[FleetCipher, float]] = {}  # tenant -> (cipher, checked at)
         import hmac
 
-        self._check_mac = hmac.new(master_key, KEY_CHECK_LABEL + remote._name_prefix, "sha256").digest()
+        self._check_mac = hmac.new(master_key, KEY_CHECK_LABEL + remote.name_prefix, "sha256").digest()
         self._domain_checked = False
         try:
             self.verify_domain()  # a different master key than the fleet's: refused at start
@@ -139,11 +142,11 @@ class FleetKeyring:
         `again`: check (and rewrite) even if an earlier check passed, after a clear of Redis."""
         if self._domain_checked and not again:
             return
-        name = self.remote._name_prefix + KEY_CHECK_NAME
+        name = self.remote.record_name(KEY_CHECK_NAME)
         mac = self._check_mac
 
         def op() -> Any:
-            client = self.remote._redis()
+            client = self.remote.client()
             client.set(name, mac, nx=True)
             return client.get(name)
 
@@ -158,12 +161,10 @@ class FleetKeyring:
         self._domain_checked = True
 
     def _name(self, tenant: str) -> bytes:
-        from kvtier.tiers.hierarchy import owner_id
-
         return self._name_oid(owner_id(tenant))
 
     def _name_oid(self, oid: str) -> bytes:
-        return self.remote._name_prefix + b"datakey:" + oid.encode()
+        return self.remote.record_name(DATA_KEY_RECORD + oid.encode())
 
     def _wrap(self, name: bytes, key_id: bytes, key: bytes) -> bytes:
         nonce = os.urandom(NONCE_BYTES)
@@ -184,7 +185,7 @@ class FleetKeyring:
         return FleetCipher(key_id, key)
 
     def _get(self, name: bytes) -> bytes | None:
-        return self.remote.call("keyring_get", lambda: self.remote._redis().get(name))
+        return self.remote.call("keyring_get", lambda: self.remote.client().get(name))
 
     def check(self, tenant: str) -> FleetCipher | None:
         """Re-read the tenant's wrapped key now; its cipher, or None when there is none. A
@@ -218,7 +219,7 @@ class FleetKeyring:
             name = self._name(tenant)
             key_id, key = os.urandom(KEY_ID_BYTES), os.urandom(KEY_BYTES)
             blob = self._wrap(name, key_id, key)
-            if not self.remote.call("keyring_set", lambda: self.remote._redis().set(name, blob, nx=True)):
+            if not self.remote.call("keyring_set", lambda: self.remote.client().set(name, blob, nx=True)):
                 theirs = self._get(name)  # another instance won the race: use its key
                 if theirs is None:
                     raise KeyringError("the tenant's data key was destroyed while it was being created")
@@ -263,30 +264,26 @@ class FleetKeyring:
     def destroy(self, tenant: str) -> bool:
         """Delete the tenant's wrapped key for the whole fleet. True if one existed. Raises
         TierError when Redis cannot be reached (the caller records the purge as pending)."""
-        from kvtier.tiers.hierarchy import owner_id
-
         return self.destroy_oid(owner_id(tenant))
 
     def destroy_oid(self, oid: str) -> bool:
         """`destroy` by owner id (a pending purge knows only the id). Raises TierError."""
-        from kvtier.tiers.hierarchy import owner_id
-
         with self._lock:
             for tenant in [t for t in self._cached if owner_id(t) == oid]:
                 del self._cached[tenant]
         self.verify_domain()  # never delete what another master key's fleet owns
         name = self._name_oid(oid)
-        return bool(self.remote.call("keyring_destroy", lambda: self.remote._redis().unlink(name)))
+        return bool(self.remote.call("keyring_destroy", lambda: self.remote.client().unlink(name)))
 
     def destroy_all(self) -> int:
         """Delete every wrapped key of this model configuration. Raises TierError."""
         self.verify_domain()
         with self._lock:
             self._cached.clear()
-        pattern = self.remote._name_prefix.replace(b"*", b"\\*") + b"datakey:*"
+        pattern = self.remote.match(DATA_KEY_RECORD + b"*")
 
         def op() -> int:
-            client = self.remote._redis()
+            client = self.remote.client()
             names = list(client.scan_iter(match=pattern, count=512))
             return sum(client.unlink(n) for n in names)
 

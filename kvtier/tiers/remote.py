@@ -103,8 +103,11 @@ return #KEYS
 """
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+def glob_escape(text: str | bytes) -> bytes:
+    """`text` matched literally in a SCAN / KEYS pattern: the one escaping rule for every name
+    kvtier matches (a backslash before each of * ? [ ] and backslash)."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in raw)
 
 
 def parse_url(url: str) -> tuple[str, bool]:
@@ -132,6 +135,53 @@ def parse_url(url: str) -> tuple[str, bool]:
         else:
             rest.append((name, value))
     return urlunsplit((base_scheme, parts.netloc, parts.path, urlencode(rest), "")), cluster
+
+
+def _client_options(timeout_s: float) -> dict[str, Any]:
+    return dict(
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+    )
+
+
+def _cluster_startup(redis_url: str, url: str) -> dict[str, Any]:
+    """RedisCluster arguments from a parsed URL (`redis_url`, from parse_url; `url`: as given,
+    for messages): the startup nodes, and the URL's TLS, auth and socket options converted
+    exactly as redis-py's from_url converts them for a single server."""
+    parts = urlsplit(redis_url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if parts.path not in ("", "/", "/0"):
+        raise ValueError(f"a Redis Cluster has only db 0, got {url!r}")
+    nodes = []
+    for hostport in hosts.split(","):
+        host, sep, port = hostport.strip().rpartition(":")
+        if not sep:
+            host, port = port, "6379"
+        if not host or not port.isdigit():
+            raise ValueError(f"bad cluster node {hostport!r} in {url!r}; expected host:port")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    # one node in the URL, so that redis-py parses the options: same names, same types
+    host = f"[{nodes[0].host}]" if ":" in nodes[0].host else nodes[0].host  # IPv6
+    one = urlunsplit(
+        (parts.scheme, (userinfo + "@" if userinfo else "") + f"{host}:{nodes[0].port}", "", parts.query, "")
+    )
+    options = redis_parse_url(one)
+    for name in ("host", "port", "db", "connection_class"):
+        options.pop(name, None)
+    return dict(startup_nodes=nodes, ssl=parts.scheme == "rediss", **options)
+
+
+def connect(url: str, *, timeout_s: float = 1.0, on_connect: Any = None) -> Any:
+    """A redis-py client for a remote tier URL (the forms in the module doc: a server or a
+    cluster), with the options every kvtier client uses: `timeout_s` to connect and per
+    command (the URL's socket options win, as redis-py's from_url does), one immediate retry of
+    a connection error. `on_connect`: redis-py's connect hook (a single server only)."""
+    redis_url, cluster = parse_url(url)
+    if not cluster:
+        hook = {} if on_connect is None else {"redis_connect_func": on_connect}
+        return redis.Redis.from_url(redis_url, **hook, **_client_options(timeout_s))
+    return RedisCluster(**{**_client_options(timeout_s), **_cluster_startup(redis_url, url)})
 
 
 def _scripting_refused(exc: redis.ResponseError) -> bool:
@@ -216,13 +266,6 @@ class RemoteTier(Tier):
         self._usage_bytes = 0
 
     # -- client ----------------------------------------------------------------------------------------
-    def _client_options(self) -> dict[str, Any]:
-        return dict(
-            socket_timeout=self.timeout_s,
-            socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
-        )
-
     def _on_connect(self, connection: Any) -> None:
         """redis-py's connect hook (single server): set the connection up as usual, then note
         whether the server restarted since the last connection (see the module doc)."""
@@ -240,38 +283,16 @@ class RemoteTier(Tier):
             self._server_run_id = run_id
 
     def _cluster_startup(self) -> dict[str, Any]:
-        """RedisCluster arguments from the URL (checked at construction, used lazily): the
-        startup nodes, and the URL's TLS, auth and socket options converted exactly as
-        redis-py's from_url converts them for a single server."""
-        parts = urlsplit(self._redis_url)
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        if parts.path not in ("", "/", "/0"):
-            raise ValueError(f"a Redis Cluster has only db 0, got {self.url!r}")
-        nodes = []
-        for hostport in hosts.split(","):
-            host, sep, port = hostport.strip().rpartition(":")
-            if not sep:
-                host, port = port, "6379"
-            if not host or not port.isdigit():
-                raise ValueError(f"bad cluster node {hostport!r} in {self.url!r}; expected host:port")
-            nodes.append(ClusterNode(host.strip("[]"), int(port)))
-        # one node in the URL, so that redis-py parses the options: same names, same types
-        host = f"[{nodes[0].host}]" if ":" in nodes[0].host else nodes[0].host  # IPv6
-        one = urlunsplit(
-            (parts.scheme, (userinfo + "@" if userinfo else "") + f"{host}:{nodes[0].port}", "", parts.query, "")
-        )
-        options = redis_parse_url(one)
-        for name in ("host", "port", "db", "connection_class"):
-            options.pop(name, None)
-        return dict(startup_nodes=nodes, ssl=parts.scheme == "rediss", **options)
+        """RedisCluster arguments from this tier's URL (see the module function)."""
+        return _cluster_startup(self._redis_url, self.url)
 
     def _make_client(self) -> Any:
-        if not self.cluster:
-            return redis.Redis.from_url(self._redis_url, redis_connect_func=self._on_connect, **self._client_options())
-        # the URL's options win over timeout_s, as from_url does for a single server
-        return RedisCluster(**{**self._client_options(), **self._cluster_startup()})
+        return connect(self.url, timeout_s=self.timeout_s, on_connect=None if self.cluster else self._on_connect)
 
-    def _redis(self) -> Any:
+    def client(self) -> Any:
+        """The redis-py client (a server's or a cluster's; a cluster's is built here on first
+        use, and again after a connection failure). Call it inside an operation passed to
+        `call`, so that its errors go through the health gate as the tier's own do."""
         client = self._client
         if client is None:
             with self._client_lock:
@@ -295,10 +316,64 @@ class RemoteTier(Tier):
             except Exception:  # noqa: BLE001, S110 - a dead connection may fail to close
                 pass
 
-    def _name(self, key: bytes) -> bytes:
+    # -- keyspace (the names in the module doc; every module that touches them asks here) -----------
+    @property
+    def name_prefix(self) -> bytes:
+        """ "<key_prefix>:<fingerprint hex>:": every name of this tier's model configuration."""
+        return self._name_prefix
+
+    def entry_name(self, key: bytes) -> bytes:
+        """The name of `key`'s entry (in a cluster with its run tag as the hash tag)."""
         if self.cluster:
             return b"%s{%s}%s" % (self._name_prefix, key[:TAG_BYTES].hex().encode(), key.hex().encode())
         return self._name_prefix + key.hex().encode()
+
+    _name = entry_name
+
+    def owner_set_name(self, owner_id: str) -> bytes:
+        """The set of the keys recorded for `owner_id` (hex members)."""
+        return self.record_name(b"owner:" + owner_id.encode())
+
+    def record_name(self, record: bytes) -> bytes:
+        """The name of another record of this model configuration beside the entries (the fleet
+        keyring's "datakey:<owner id>" and "keycheck"): the prefix, then `record`."""
+        return self._name_prefix + record
+
+    def match(self, pattern: bytes = b"*") -> bytes:
+        """A SCAN pattern: this configuration's names (the prefix matched literally) whose rest
+        matches the glob `pattern` (b"*": every name, b"datakey:*": the wrapped keys)."""
+        return glob_escape(self._name_prefix) + pattern
+
+    @staticmethod
+    def owner_sets_match(owner_id: str, key_prefix: str = "kvtier") -> bytes:
+        """A SCAN pattern of `owner_id`'s owner sets under `key_prefix`, every fingerprint."""
+        return glob_escape(f"{key_prefix}:") + b"*:" + glob_escape(f"owner:{owner_id}")
+
+    @staticmethod
+    def fingerprint_of(name: bytes | str, key_prefix: str = "kvtier") -> bytes | None:
+        """The fingerprint in a name under `key_prefix` (None: not such a name)."""
+        text = name.decode(errors="replace") if isinstance(name, bytes) else name
+        head = f"{key_prefix}:"
+        if not text.startswith(head):
+            return None
+        try:
+            fingerprint = bytes.fromhex(text[len(head) :].partition(":")[0])
+        except ValueError:
+            return None
+        return fingerprint if len(fingerprint) == 16 else None
+
+    @classmethod
+    def owner_fingerprints(
+        cls, url: str, owner_id: str, key_prefix: str = "kvtier", timeout_s: float = 1.0
+    ) -> set[bytes]:
+        """The fingerprints (model configurations) with an owner set of `owner_id` on the
+        server or cluster at `url`: what an offline purge must open. Raises redis errors."""
+        client = connect(url, timeout_s=timeout_s)
+        try:
+            names = client.scan_iter(match=cls.owner_sets_match(owner_id, key_prefix), count=1000)
+            return {fp for fp in (cls.fingerprint_of(name, key_prefix) for name in names) if fp is not None}
+        finally:
+            client.close()
 
     # -- backend ----------------------------------------------------------------------------------------
     def _error_kind(self, exc: BaseException) -> str:
@@ -327,15 +402,15 @@ class RemoteTier(Tier):
         return super()._error_kind(exc)
 
     def _pipeline(self) -> Any:
-        client = self._redis()
+        client = self.client()
         return client.pipeline() if self.cluster else client.pipeline(transaction=False)
 
     def _contains_prefix(self, keys: list[bytes]) -> int:
-        names = [self._name(key) for key in keys]
+        names = [self.entry_name(key) for key in keys]
         script = self._prefix_script
         if script is not None:
             try:
-                return int(script(keys=names, client=self._redis()))
+                return int(script(keys=names, client=self.client()))
             except redis.ResponseError as exc:
                 # this call falls back to EXISTS either way (a failure there is the call's);
                 # only a server that refuses scripts for good (managed services, an ACL) loses it
@@ -361,18 +436,17 @@ class RemoteTier(Tier):
         return len(keys)
 
     def _get(self, key: bytes) -> bytes | None:
-        return self._redis().get(self._name(key))
+        return self.client().get(self.entry_name(key))
 
     # -- ownership sets (purge by tenant) ------------------------------------------------------
-    def _owner_set(self, owner_id: str) -> bytes:
-        return self._name_prefix + b"owner:" + owner_id.encode()
-
     def record_owner(self, owner_id: str, keys: list[bytes]) -> None:
         """Remember that `keys` belong to `owner_id` (a Redis set shared by every process)."""
         if not keys:
             return
         try:
-            self.call("record_owner", lambda: self._redis().sadd(self._owner_set(owner_id), *[k.hex() for k in keys]))
+            self.call(
+                "record_owner", lambda: self.client().sadd(self.owner_set_name(owner_id), *[k.hex() for k in keys])
+            )
         except TierError:
             pass  # counted by call(); the blocks stay readable, only a purge by owner misses them
 
@@ -380,7 +454,7 @@ class RemoteTier(Tier):
         """The keys recorded for `owner_id`; [] when the server cannot be asked (`strict`:
         raise TierError instead, for a purge that must know)."""
         try:
-            members = self.call("owner_keys", lambda: self._redis().smembers(self._owner_set(owner_id)))
+            members = self.call("owner_keys", lambda: self.client().smembers(self.owner_set_name(owner_id)))
         except TierError:
             if strict:
                 raise
@@ -406,7 +480,7 @@ class RemoteTier(Tier):
                 def op(chunk: list[bytes] = chunk) -> list[Any]:
                     pipe = self._pipeline()
                     for key in chunk:
-                        pipe.exists(self._name(key))
+                        pipe.exists(self.entry_name(key))
                     return pipe.execute()
 
                 found = self.call("owner_usage", op)
@@ -414,7 +488,7 @@ class RemoteTier(Tier):
                 gone += [k for k, f in zip(chunk, found) if not f]
             if owner_id is not None and gone:
                 members = [k.hex() for k in gone]
-                self.call("owner_usage", lambda: self._redis().srem(self._owner_set(owner_id), *members))
+                self.call("owner_usage", lambda: self.client().srem(self.owner_set_name(owner_id), *members))
         except TierError:
             return held
         return held
@@ -426,10 +500,10 @@ class RemoteTier(Tier):
         by a later round, so none survives it. Idempotent: a member leaves the set only after
         its entry is deleted, so a round cut short (TierError, raised) loses nothing for the
         retry. Returns how many entries existed."""
-        name = self._owner_set(owner_id)
+        name = self.owner_set_name(owner_id)
         removed = 0
         while True:
-            members = self.call("purge", lambda: self._redis().srandmember(name, _BATCH))
+            members = self.call("purge", lambda: self.client().srandmember(name, _BATCH))
             if not members:
                 return removed
             keys: list[bytes] = []
@@ -442,12 +516,12 @@ class RemoteTier(Tier):
             self.call("purge", functools.partial(self._srem, name, list(members)))
 
     def _srem(self, name: bytes, members: list[Any]) -> int:
-        return int(self._redis().srem(name, *members))
+        return int(self.client().srem(name, *members))
 
     def forget_owner(self, owner_id: str, strict: bool = False) -> None:
         """Drop the owner's set (`strict`: raise TierError when the server cannot be asked)."""
         try:
-            self.call("forget_owner", lambda: self._redis().unlink(self._owner_set(owner_id)))
+            self.call("forget_owner", lambda: self.client().unlink(self.owner_set_name(owner_id)))
         except TierError:
             if strict:
                 raise
@@ -463,7 +537,7 @@ class RemoteTier(Tier):
             def op(chunk: list[bytes] = chunk) -> int:
                 pipe = self._pipeline()
                 for key in chunk:
-                    pipe.unlink(self._name(key))  # one key per command: valid across cluster slots
+                    pipe.unlink(self.entry_name(key))  # one key per command: valid across cluster slots
                 return sum(pipe.execute())
 
             n = self.call("purge", op)
@@ -484,25 +558,24 @@ class RemoteTier(Tier):
     def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
         pipe = self._pipeline()  # GET per key: valid across cluster slots
         for key in keys:
-            pipe.get(self._name(key))
+            pipe.get(self.entry_name(key))
         return pipe.execute()
 
     def _put(self, key: bytes, payload: bytes, ttl_s: float | None) -> bool:
         ttl_s = self.ttl_s if ttl_s is None else ttl_s
         px = max(1, round(ttl_s * 1000)) if ttl_s is not None else None
-        self._redis().set(self._name(key), payload, px=px)
+        self.client().set(self.entry_name(key), payload, px=px)
         self._account(key, len(payload), ttl_s)
         return True
 
     def _delete(self, key: bytes) -> bool:
-        existed = bool(self._redis().unlink(self._name(key)))
+        existed = bool(self.client().unlink(self.entry_name(key)))
         self._account(key, 0, None)
         return existed
 
     def _keys(self) -> Iterable[bytes]:
-        pattern = _glob_escape(self._name_prefix.decode()) + "*"
         cut = len(self._name_prefix)
-        for name in self._redis().scan_iter(match=pattern, count=_BATCH):
+        for name in self.client().scan_iter(match=self.match(), count=_BATCH):
             rest = name[cut:]
             if rest[:1] == b"{":  # a cluster name: "{tag}" before the key
                 rest = rest[2 + 2 * TAG_BYTES :]
@@ -512,8 +585,7 @@ class RemoteTier(Tier):
                 continue  # someone else's key under our prefix
 
     def _clear(self) -> int:
-        pattern = _glob_escape(self._name_prefix.decode()) + "*"
-        names = list(self._redis().scan_iter(match=pattern, count=_BATCH))
+        names = list(self.client().scan_iter(match=self.match(), count=_BATCH))
         num_removed = 0
         for start in range(0, len(names), _BATCH):
             pipe = self._pipeline()
@@ -536,7 +608,7 @@ class RemoteTier(Tier):
     def _on_recovered(self) -> None:
         self._resync_due = True
         try:
-            self.call("resync", self._redis)  # _redis() resyncs when due
+            self.call("resync", self.client)  # client() resyncs when due
         except TierError:
             pass  # counted by call(); the next recovery tries again
 
@@ -549,7 +621,7 @@ class RemoteTier(Tier):
             batch = snapshot[start : start + _BATCH]
             pipe = client.pipeline() if self.cluster else client.pipeline(transaction=False)
             for key, _ in batch:
-                pipe.exists(self._name(key))
+                pipe.exists(self.entry_name(key))
             missing += [item for item, found in zip(batch, pipe.execute()) if not found]
         with self._sizes_lock:
             for key, entry in missing:

@@ -8,10 +8,10 @@ usage.
                          │  admin worker  disk:   owner_keys / entry_sizes / purge / expire_owner
                          │  ledger        remote: owner_keys / unlink / forget_owner / clear
                          v
-                        hierarchy.fence (purge.OwnerFence), hierarchy.keys (data keys)
+                        hierarchy.fence (fence.OwnerFence), hierarchy.keys (data keys)
 
 Tenants are named by the caller (`owner`: str, None for no named tenant); the disk and remote
-tiers know them by their owner id (hierarchy.owner_id: a hash, so names never reach storage).
+tiers know them by their owner id (owners.owner_id: a hash, so names never reach storage).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier import threads
 from kvtier.tiers.base import TierError
+from kvtier.tiers.fence import ALL, PurgeLedger
 from kvtier.tiers.keyring import KeyringError
-from kvtier.tiers.purge import ALL, PurgeLedger
+from kvtier.tiers.owners import DEFAULT_OWNER, owner_id
 
 if TYPE_CHECKING:
     from kvtier.tiers.hierarchy import TierHierarchy
@@ -58,6 +59,11 @@ class TenantAdmin:
         blocks first, never another tenant's."""
         self.owner_ttl_s: dict[str | None, float] = {}
         """Per-tenant time to live of stored KV (set by the server from its tenant config)."""
+        self.clock: Callable[[], float] = time.monotonic
+        """Now for the host tier's TTL (its entries are stamped with time.monotonic)."""
+        self.wall_clock: Callable[[], float] = time.time
+        """Now for the disk tier's TTL (its owner manifests hold time.time stamps). Both are
+        injectable: tests run them ahead of the real clocks."""
         self.ledger = PurgeLedger(ledger_path)
         self._held: set[str] = set()  # owner ids fenced until their pending remote purge is done
         for oid in self.ledger.pending():
@@ -84,8 +90,6 @@ class TenantAdmin:
 
     def enforce_disk_quota(self, owner: str | None) -> None:
         """Delete `owner`'s oldest-written disk entries until it is within its disk cap (if any)."""
-        from kvtier.tiers.hierarchy import owner_id
-
         cap_bytes = self.owner_quota.get(owner, (None, None))[1]
         disk = self._h.tiers.get("disk")
         if cap_bytes is None or disk is None:
@@ -107,21 +111,17 @@ class TenantAdmin:
     def expire_owner(self, owner: str | None, ttl_s: float) -> dict[str, int]:
         """Delete `owner`'s blocks stored more than `ttl_s` ago from host and disk (Redis
         entries carry the TTL themselves)."""
-        from kvtier.tiers.hierarchy import owner_id
-
         counts: dict[str, int] = {}
         host = self._h.tiers.get("host")
         if host is not None:
-            counts["host"] = host.expire_owner(owner, ttl_s)
+            counts["host"] = host.expire_owner(owner, ttl_s, now=self.clock())
         disk = self._h.tiers.get("disk")
         if disk is not None:
-            counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s)
+            counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s, now=self.wall_clock())
         return counts
 
     def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
         """{tier: {"blocks": n (, "bytes": host only)}} of what `owner` has stored."""
-        from kvtier.tiers.hierarchy import owner_id
-
         out: dict[str, dict[str, int]] = {}
         host = self._h.tiers.get("host")
         if host is not None:
@@ -166,8 +166,6 @@ class TenantAdmin:
         ledger and retried by retry_pending_purges; the owner stays fenced off meanwhile).
         `everywhere` False: only this instance's copies (host, disk), for a fleet key that
         another instance destroyed."""
-        from kvtier.tiers.hierarchy import DEFAULT_OWNER, owner_id
-
         oid = owner_id(owner)
         self._h.fence.begin(oid)
         host = self._h.tiers.get("host")
@@ -177,8 +175,6 @@ class TenantAdmin:
         return self.submit_admin(self._finish_purge, owner, oid, num_host, everywhere)
 
     def _finish_purge(self, owner: str | None, oid: str, num_host: int, everywhere: bool) -> dict[str, Any]:
-        from kvtier.tiers.hierarchy import DEFAULT_OWNER
-
         h = self._h
         settled = False
         try:

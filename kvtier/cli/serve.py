@@ -1,0 +1,451 @@
+"""`kvtier serve`: the OpenAI-compatible HTTP server, its flags and how it starts the engine
+(in its own process by default, or on a thread of this one)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from kvtier.cli.args import integer, port, positive_float, positive_int, size
+from kvtier.cli.engine_args import add_engine_args
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _rate(text: str) -> str:
+    """--rate-limit-per-key: checked here, parsed by the server (kvtier.server.http_limits)."""
+    from kvtier.server.http_limits import parse_rate
+
+    try:
+        parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _structured_config(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+    backend = value.pop("backend", "auto")
+    if backend not in ("auto", "guidance", "llguidance"):
+        raise argparse.ArgumentTypeError(
+            f"backend {backend!r}: kvtier's grammar engine is llguidance (auto or guidance)"
+        )
+    unknown = sorted(set(value) - {"disable_any_whitespace", "disable_additional_properties"})
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r}")
+    if not all(isinstance(v, bool) for v in value.values()):
+        raise argparse.ArgumentTypeError("disable_any_whitespace / disable_additional_properties are booleans")
+    return value
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise argparse.ArgumentTypeError("a JSON list of origin strings, e.g. '[\"*\"]'")
+        return tuple(value)
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with Prometheus metrics",
+        description="Serves /v1/completions, /v1/chat/completions (SSE streaming), "
+        "/v1/models, /health and /metrics (Prometheus) for one local checkpoint.",
+    )
+    s.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Hugging Face model directory or .gguf file (as vLLM's `vllm serve MODEL`)",
+    )
+    s.add_argument("--model", default=None, help="the same, as a flag")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=port, default=8000, help="default 8000")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids clients may send; the first is the one /v1/models lists and "
+        "responses carry (default: the model argument)",
+    )
+    s.add_argument(
+        "--generation-config",
+        default="auto",
+        metavar="auto|vllm|DIR",
+        help="sampling defaults for what requests leave out: auto (default) reads the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) as vLLM does; vllm: none; DIR: that folder's file",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself) in place of the model's",
+    )
+    s.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests carry their own chat_template (chat completions, /tokenize), as "
+        "vLLM's flag; rendered in a sandbox bounded in size, loops and time. Off: a 400",
+    )
+    s.add_argument(
+        "--structured-outputs-config",
+        type=_structured_config,
+        default={},
+        metavar="JSON",
+        help='as vLLM\'s: {"backend": "auto"|"guidance", "disable_any_whitespace": bool, '
+        '"disable_additional_properties": bool}; kvtier\'s grammar engine is llguidance',
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="let tool_choice 'auto' read tool calls out of the model's text (needs --tool-call-parser), as vLLM",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the tool-call format of the model: hermes (Qwen, Hermes), llama3_json, mistral",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        type=_origins,
+        default=("*",),
+        metavar="JSON|LIST",
+        help='CORS origins, a JSON list or comma-separated (default ["*"]; [] turns CORS off)',
+    )
+    s.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="serve GET /tokenizer_info (special tokens and chat template; lm-eval's remote "
+        "tokenizer reads it), off by default as in vLLM",
+    )
+    s.add_argument(
+        "--max-body-bytes",
+        type=size,
+        default=4 << 20,
+        metavar="SIZE",
+        help="larger request bodies get a 413 (default 4MiB); a larger declared "
+        "Content-Length is answered at once, the body unread",
+    )
+    s.add_argument(
+        "--header-timeout-s",
+        type=_non_negative_float,
+        default=10.0,
+        metavar="S",
+        help="a connection that has not sent a complete request head within S seconds is closed (default 10; 0: none)",
+    )
+    s.add_argument(
+        "--body-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="a request body that stalls S seconds between chunks gets a 408 (default 30; 0: none)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=_non_negative_int,
+        default=None,
+        metavar="N",
+        help="open connections at most; more get a 503 and are closed at once (default "
+        "min(RLIMIT_NOFILE - 64, 4096), the soft limit raised to the hard one; 0: none)",
+    )
+    s.add_argument(
+        "--stream-stall-timeout-s",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="a stream whose client reads nothing for S seconds is aborted and its KV "
+        "blocks freed (default 30; 0: none)",
+    )
+    s.add_argument(
+        "--max-concurrent-requests-per-key",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="requests in flight per API key (per client address without one, or without "
+        "--api-key/--api-keys, where any key passes), streams "
+        "until they end; more get a 429 with Retry-After (default 0: unbounded)",
+    )
+    s.add_argument(
+        "--rate-limit-per-key",
+        type=_rate,
+        default="0",
+        metavar="RATE",
+        help="a token bucket per API key (as --max-concurrent-requests-per-key): RATE requests per "
+        "second, or RATE/s:burst=N (burst default ceil(RATE)); over it a 429 with "
+        "Retry-After (default 0: none)",
+    )
+    s.add_argument(
+        "--rate-limit-pace-s",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="S",
+        help="hold a per-key 429 this long (never past its Retry-After) before sending it, so a "
+        "client that retries at once gets one answer per connection per S, not a tight loop "
+        "(default 1; 0: answer at once)",
+    )
+    s.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=128,
+        metavar="N",
+        help="a /v1/completions batch of more prompts gets a 400, so one request "
+        "cannot hold up the others (default 128)",
+    )
+    s.add_argument(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=256,
+        metavar="N",
+        help="a request asking for more sequences (prompts x n) gets a 400 (default 256)",
+    )
+    s.add_argument(
+        "--strict-request-fields",
+        action="store_true",
+        help="a completions/chat request with a field the server does not know (e.g. a misspelt "
+        "'max_token') gets a 400 naming it; by default the field is ignored and logged as a warning",
+    )
+    s.add_argument(
+        "--log-level",
+        choices=("critical", "error", "warning", "info", "debug"),
+        default="info",
+        help="uvicorn's log level (default info)",
+    )
+    s.add_argument(
+        "--api-key",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help="as vLLM: requests need one of these bearer keys (one tenant; --api-keys gives each key its own tenant)",
+    )
+    s.add_argument(
+        "--api-keys",
+        default=None,
+        metavar="FILE",
+        help='JSON {"keys": {"KEY": "TENANT" | {"tenant": T, "admin": true}}}: requests '
+        "need a listed key; each tenant's KV is isolated (its own cache salt)",
+    )
+    s.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="FILE",
+        help="a file holding the admin bearer key: purges (DELETE /v1/cache) and /admin/* need "
+        "it or a key marked admin in --api-keys; without either they are refused",
+    )
+    s.add_argument(
+        "--metrics-auth",
+        choices=("public", "api_key", "admin"),
+        default="public",
+        help="who may read /metrics (default public; api_key: any key of --api-keys)",
+    )
+    s.add_argument(
+        "--models-auth",
+        choices=("public", "api_key", "admin"),
+        default=None,
+        help="who may read /v1/models (default public; api_key with --api-key, as vLLM "
+        "guards every /v1 path with its key)",
+    )
+    s.add_argument(
+        "--kv-master-key-file",
+        default=None,
+        metavar="FILE",
+        help="fleet encryption: tenants' data keys wrapped by this 32-byte master key and kept "
+        "in the remote tier, shared by every instance given the same file (needs --remote-cache-url)",
+    )
+    s.add_argument(
+        "--kv-key-check-interval-s",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="with --kv-master-key-file: how long a cached data key is used before it is "
+        "re-checked, the bound on noticing another instance's purge (default 1; 0: every use)",
+    )
+    s.add_argument(
+        "--request-log",
+        default=None,
+        metavar="FILE",
+        help="append one JSON line per finished request (token ids, timestamps, tenant "
+        "hash, cached tokens by tier; no text unless --request-log-text)",
+    )
+    s.add_argument("--request-log-text", action="store_true", help="also log prompt and output text")
+    s.add_argument(
+        "--engine-in-process",
+        action="store_true",
+        help="step the engine on a thread of the server process instead of its own process "
+        "(the default runs it in its own process, as vLLM's EngineCore)",
+    )
+    s.add_argument(
+        "--ttl-sweep-interval-s",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)",
+    )
+    add_engine_args(s)
+    s.set_defaults(func=run, subparser=s)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+
+    from kvtier import LLM
+
+    # kvtier's own loggers (tiers going down and back, corrupt entries, purges) at the level the
+    # operator asked for, with the level and source on each line (uvicorn formats its own)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvtier.server.app import ServerConfig, run_server
+    from kvtier.server.request_log import RequestLog
+    from kvtier.server.serving import RequestLimits
+    from kvtier.server.tenancy import ApiKeyResolver, read_admin_key
+
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag} and --model {args.model}")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ValueError("serve needs a model: kvtier serve MODEL (a checkpoint directory or .gguf file)")
+    if args.api_key and args.api_keys:
+        raise ValueError("--api-key and --api-keys exclude each other: one shared key, or a file of keys and tenants")
+    if args.enable_auto_tool_choice != bool(args.tool_call_parser):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together (as in vLLM)")
+    if args.tool_call_parser:
+        from kvtier.server.tools import make_parser
+
+        make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
+    names = tuple(args.served_model_name or (args.model,))
+    from kvtier.sampling_params import generation_defaults
+
+    defaults = generation_defaults(args.model, args.generation_config)
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=names[0],
+        model_aliases=names[1:],
+        allowed_origins=args.allowed_origins,
+        enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser,
+        structured_defaults=tuple(sorted(args.structured_outputs_config.items())),
+        sampling_defaults=tuple(sorted(defaults.items())),
+        max_body_bytes=args.max_body_bytes,
+        limits=RequestLimits(
+            max_prompts_per_request=args.max_prompts_per_request, max_seqs_per_request=args.max_seqs_per_request
+        ),
+        ttl_sweep_interval_s=args.ttl_sweep_interval_s,
+        admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
+        metrics_auth=args.metrics_auth,
+        models_auth=args.models_auth or ("api_key" if args.api_key else "public"),
+        strict_request_fields=args.strict_request_fields,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_connections=args.max_connections,
+        stream_stall_timeout_s=args.stream_stall_timeout_s,
+        max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
+        rate_limit_per_key=args.rate_limit_per_key,
+        rate_limit_pace_s=args.rate_limit_pace_s,
+    )
+    tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
+    if args.api_key:
+        from kvtier.server.tenancy import DEFAULT_TENANT
+
+        tenants = ApiKeyResolver({key: DEFAULT_TENANT for key in args.api_key})
+    if args.kv_master_key_file:
+        from kvtier.tiers.keyring import read_master_key
+
+        read_master_key(args.kv_master_key_file)  # a bad file fails before the model loads
+        if not args.engine_kwargs.get("remote_cache_url"):
+            raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
+    log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
+    try:
+        if args.engine_in_process:
+            with LLM(args.model, **args.engine_kwargs) as llm:
+                if args.kv_master_key_file:
+                    llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
+                _use_chat_template(llm.tokenizer, args.chat_template)
+                return run_server(
+                    llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
+                )
+        return _serve_engine_process(args, config, tenants, log)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def _use_chat_template(tokenizer: Any, template: str | None) -> None:
+    """--chat-template: a file's text, or the argument itself when it is no file."""
+    if template is None:
+        return
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a tokenizer; this model has none")
+    from pathlib import Path
+
+    path = Path(template)
+    text = path.read_text(encoding="utf-8") if path.is_file() else template
+    if "{" not in text:
+        raise ValueError(f"--chat-template {template!r} is neither a file nor a Jinja template")
+    tokenizer.set_chat_template(text)
+
+
+def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
+    """The engine core in its own process (kvtier.server.engine_proc); this one serves HTTP."""
+    from kvtier import threads
+    from kvtier.model.tokenizer import Tokenizer, has_tokenizer
+    from kvtier.server.app import run_server, tenant_settings
+    from kvtier.server.engine_proc import EngineClient
+    from kvtier.server.tenancy import SingleTenantResolver
+
+    tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
+    _use_chat_template(tokenizer, args.chat_template)
+    ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
+    fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
+    # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
+    plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
+    client = EngineClient(
+        args.model,
+        args.engine_kwargs,
+        tenant_ttls=ttls,
+        tenant_quotas=quotas,
+        fleet_keys=fleet,
+        log_level=args.log_level,
+    )
+    client.start_process()
+    try:
+        # this process is the engine's helper: off its compute CPUs where there are spare ones
+        if plan.compute_cpus and set(plan.io_cpus).isdisjoint(plan.compute_cpus):
+            os.sched_setaffinity(0, set(plan.io_cpus))
+        return run_server(client, tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log)
+    finally:
+        client.shutdown()

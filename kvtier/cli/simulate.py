@@ -1,0 +1,242 @@
+"""`kvtier simulate`: a Mooncake-format trace replayed through the prefix cache and tiers (no model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kvtier.cli.args import positive_float, positive_int, size
+from kvtier.sim.config import TierSpeeds
+from kvtier.tiers.hierarchy import WRITE_POLICIES
+
+_SPEEDS = TierSpeeds()
+"""The simulator's default speeds: `kvtier simulate`'s flags start from them."""
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    m = sub.add_parser(
+        "simulate",
+        help="replay a Mooncake-format trace through the prefix cache (no model)",
+        description="Replays a trace (JSONL: timestamp, input_length, output_length, hash_ids) "
+        "through kvtier's own BlockPool + PrefixIndex at one or more device capacities and "
+        "reports block and token hit rates, optionally with the engine's host/disk tier "
+        "hierarchy below (its write policy, promotion and demotion) and its restore-or-recompute "
+        "cost model at given speeds: hits per tier, bytes moved, prefill time saved.",
+    )
+    m.add_argument("trace", help="JSONL trace file")
+    m.add_argument("--block-tokens", type=positive_int, default=512, help="tokens per hash id (default 512)")
+    m.add_argument(
+        "--device-blocks",
+        "--sweep",
+        dest="device_blocks",
+        action="append",
+        metavar="N1,N2,...",
+        help="device pool capacities in blocks (comma-separated, repeatable; --sweep is a synonym)",
+    )
+    m.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="device eviction policy (default lru)")
+    host = m.add_mutually_exclusive_group()
+    host.add_argument("--host-blocks", type=positive_int, default=None, help="host tier capacity in blocks")
+    host.add_argument(
+        "--host-bytes",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="host tier capacity in bytes (e.g. 64GiB), as the engine's --host-cache-bytes",
+    )
+    disk = m.add_mutually_exclusive_group()
+    disk.add_argument("--disk-blocks", type=positive_int, default=None, help="disk tier capacity in blocks")
+    disk.add_argument(
+        "--disk-bytes",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="disk tier capacity in bytes; an entry is a block plus a 100-byte header",
+    )
+    m.add_argument(
+        "--disk-alloc-bytes",
+        type=positive_int,
+        default=4096,
+        metavar="N",
+        help="the disk file system's allocation unit: an entry costs whole units, as the disk tier counts it (default 4096)",
+    )
+    m.add_argument(
+        "--write-policy",
+        choices=WRITE_POLICIES,
+        default="write_through",
+        help="when blocks go down to the tiers, as the engine's --cache-write-policy (default write_through)",
+    )
+    m.add_argument(
+        "--selective-min-hits",
+        type=positive_int,
+        default=2,
+        help="with --write-policy selective: device hits before a block is written down (default 2)",
+    )
+    m.add_argument(
+        "--restore-policy",
+        choices=("cost", "always"),
+        default="cost",
+        help="cost: restore what the cost model says beats recomputing; always: every stored block",
+    )
+    m.add_argument(
+        "--block-bytes",
+        type=size,
+        default=None,
+        metavar="SIZE",
+        help="KV bytes per block (default 12KiB x --block-tokens, the reference model)",
+    )
+    speed = m.add_argument_group(
+        "speeds for the cost model (defaults: measured on the reference model, docs/benchmarks.md)"
+    )
+    speed.add_argument(
+        "--host-gbps",
+        type=positive_float,
+        default=_SPEEDS.host_bytes_per_s / 1e9,
+        metavar="GB/S",
+        help=f"restore throughput from host, read + copy into the pool (default {_SPEEDS.host_bytes_per_s / 1e9:g})",
+    )
+    speed.add_argument(
+        "--host-latency-ms",
+        type=float,
+        default=_SPEEDS.host_latency_s * 1e3,
+        metavar="MS",
+        help=f"per restore touching host (default {_SPEEDS.host_latency_s * 1e3:g})",
+    )
+    speed.add_argument(
+        "--disk-gbps",
+        type=positive_float,
+        default=_SPEEDS.disk_bytes_per_s / 1e9,
+        metavar="GB/S",
+        help=f"restore throughput from disk (default {_SPEEDS.disk_bytes_per_s / 1e9:g})",
+    )
+    speed.add_argument(
+        "--disk-latency-ms",
+        type=float,
+        default=_SPEEDS.disk_latency_s * 1e3,
+        metavar="MS",
+        help=f"per restore touching disk (default {_SPEEDS.disk_latency_s * 1e3:g})",
+    )
+    speed.add_argument(
+        "--prefill-s-per-token",
+        type=positive_float,
+        default=_SPEEDS.prefill_s_per_token,
+        metavar="SECONDS",
+        help=f"prefill cost per new token (default {_SPEEDS.prefill_s_per_token:g})",
+    )
+    speed.add_argument(
+        "--prefill-s-per-token-pair",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="attention cost per (new, context) token pair: t = a*n + b*n*(c + n/2) (default 0)",
+    )
+    m.add_argument("--limit", type=positive_int, default=None, help="replay only the first N records")
+    m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
+    m.add_argument("--json", action="store_true", help="print one JSON object")
+    m.set_defaults(func=run, subparser=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvtier.sim import SimConfig, TierSpeeds, load_trace, simulate
+
+    caps: list[int] = []
+    for group in args.device_blocks or []:
+        for part in group.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            try:
+                value = int(part)
+            except ValueError:
+                raise ValueError(f"--device-blocks: invalid integer {part!r}") from None
+            if value < 1:
+                raise ValueError(f"--device-blocks: must be >= 1, got {value}")
+            caps.append(value)
+    if not caps:
+        raise ValueError("give at least one capacity: --device-blocks N1,N2,...")
+    speeds = TierSpeeds(
+        host_bytes_per_s=args.host_gbps * 1e9,
+        host_latency_s=args.host_latency_ms * 1e-3,
+        disk_bytes_per_s=args.disk_gbps * 1e9,
+        disk_latency_s=args.disk_latency_ms * 1e-3,
+        prefill_s_per_token=args.prefill_s_per_token,
+        prefill_s_per_token_pair=args.prefill_s_per_token_pair,
+    )
+    config = SimConfig(
+        block_tokens=args.block_tokens,
+        block_bytes=args.block_bytes,
+        policy=args.policy,
+        host_blocks=args.host_blocks,
+        host_bytes=args.host_bytes,
+        disk_blocks=args.disk_blocks,
+        disk_bytes=args.disk_bytes,
+        disk_alloc_bytes=args.disk_alloc_bytes,
+        write_policy=args.write_policy,
+        selective_min_hits=args.selective_min_hits,
+        restore_policy=args.restore_policy,
+        speeds=speeds,
+    )
+    reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
+    res = simulate(reqs, caps, config)
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("kvtier: --plot skipped: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        else:
+            pts = sorted(res["points"], key=lambda p: p["device_blocks"])
+            xs = [p["device_blocks"] for p in pts]
+            fig, ax = plt.subplots(figsize=(7, 4.5))
+            ax.plot(xs, [p["block_hit_rate"] for p in pts], "o-", label="block hit rate")
+            ax.plot(xs, [p["token_hit_rate"] for p in pts], "s--", label="token hit rate")
+            if res["host_blocks"] or res["disk_blocks"]:
+                ax.plot(xs, [p["device_block_hit_rate"] for p in pts], "^:", label="device-only block hit rate")
+            ax.axhline(res["ideal_block_hit_rate"], color="gray", ls=":", label="ideal (unlimited)")
+            ax.set_xlabel("device blocks")
+            ax.set_ylabel("hit rate")
+            ax.set_ylim(0, 1)
+            ax.set_title(f"{args.trace} ({args.policy})", fontsize=9)
+            ax.legend()
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(args.plot)
+            plt.close(fig)
+            print(f"kvtier: wrote {args.plot}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    tiers = bool(res["host_blocks"] or res["disk_blocks"])
+    print(
+        f"{res['num_requests']} requests, {res['total_blocks']} blocks, {res['total_tokens']} tokens; "
+        f"policy {res['policy']}; ideal block hit rate {res['ideal_block_hit_rate']:.4f}, "
+        f"token {res['ideal_token_hit_rate']:.4f}"
+    )
+    if tiers:
+        print(
+            f"host blocks {res['host_blocks']}, disk blocks {res['disk_blocks']}; {res['write_policy']}, "
+            f"restore {res['restore_policy']}"
+        )
+    head = f"{'device_blocks':>13} {'block_hit':>9} {'token_hit':>9}"
+    if tiers:
+        head += (
+            f" {'dev_blk':>8} {'host_blk':>8} {'disk_blk':>8} {'recomp':>7} {'read_GiB':>9}"
+            f" {'write_GiB':>9} {'restore_s':>10}"
+        )
+    head += f" {'saved_s':>10} {'oversized':>9} {'sim_s':>6}"
+    print(head)
+    for p in res["points"]:
+        line = f"{p['device_blocks']:>13} {p['block_hit_rate']:>9.4f} {p['token_hit_rate']:>9.4f}"
+        if tiers:
+            read = (p["host_bytes_read"] + p["disk_bytes_read"]) / 2**30
+            write = (p["host_bytes_written"] + p["disk_bytes_written"]) / 2**30
+            line += (
+                f" {p['device_block_hit_rate']:>8.4f} {p['host_block_hit_rate']:>8.4f}"
+                f" {p['disk_block_hit_rate']:>8.4f} {p['recomputed_stored_blocks']:>7}"
+                f" {read:>9.1f} {write:>9.1f} {p['restore_s']:>10.1f}"
+            )
+        line += f" {p['prefill_saved_s']:>10.1f} {p['oversized_requests']:>9} {p['sim_seconds']:>6.2f}"
+        print(line)
+    return 0
