@@ -393,7 +393,7 @@ def run(args: argparse.Namespace) -> int:
         if args.engine_in_process:
             with LLM(args.model, **args.engine_kwargs) as llm:
                 if args.kv_master_key_file:
-                    llm.engine.tiers.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
+                    llm.engine.admin.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
                 _use_chat_template(llm.tokenizer, args.chat_template)
                 return run_server(
                     llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log

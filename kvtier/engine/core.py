@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.config import EngineConfig
+from kvtier.engine.admin import EngineAdmin
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
+from kvtier.engine.input import check_max_tokens, check_prompt_fits, truncate_prompt
 from kvtier.engine.tenants import EngineTenants
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
@@ -108,9 +110,10 @@ class EngineCore:
 
     Owns the runner, the cache manager, the scheduler, the tier hierarchy, the tenant
     administration (`tenants`: purges, TTLs, quotas, usage) and the user-level request groups
-    (n samples of one prompt, their texts, logprobs and grammar state). Not thread-safe: one
-    thread calls everything (LLM's caller, or the server's engine thread: kvtier.server.
-    async_engine and engine_proc). A grammar-mask helper thread and the tiers' workers run
+    (n samples of one prompt, their texts, logprobs and grammar state); a serving front-end
+    administers it through `admin` (kvtier.engine.admin). Not thread-safe: one thread calls
+    everything (LLM's caller, or the server's engine thread: kvtier.server.async_engine and
+    engine_proc). A grammar-mask helper thread and the tiers' workers run
     beside it, reached only through futures.
 
     Invariants (`check_integrity`, whenever no step is running): the unfinished sequences of
@@ -183,6 +186,9 @@ class EngineCore:
         """The online KV drift monitor (kvtier.engine.drift); None at sample rate 0."""
         self.tenants = EngineTenants(self.kv, self.tiers, self.runner.kv_bytes_per_block, self._store_blocks)
         """Purges, per-tenant TTLs, quotas and usage (kvtier.engine.tenants)."""
+        self.admin = EngineAdmin(self)
+        """What a serving front-end calls for purges, sweeps, usage, integrity checks and fleet
+        keys (kvtier.engine.admin): its only way to the tiers and the tenant administration."""
         if self.tiers is not None:
             from kvtier.engine.calibrate import calibrate
 
@@ -202,14 +208,9 @@ class EngineCore:
     ) -> str:
         params = params or SamplingParams()
         params.validate()
-        ids = self._check_prompt(self._truncate(prompt_token_ids, params.truncate_prompt_tokens))
+        ids = self._check_prompt(truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len))
         self._check_logits_params(params)
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            max_out = self.max_model_len - len(ids)
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                f"context of {self.max_model_len} tokens; use max_tokens <= {max_out}"
-            )
+        check_max_tokens(len(ids), params.max_tokens, self.max_model_len)
         if priority and self.scheduler.config.policy == "fcfs":
             raise ValueError(
                 f"priority {priority} is only honoured under the 'priority' scheduling "
@@ -241,19 +242,6 @@ class EngineCore:
         if self.drift is not None:
             self.drift.sample(request_id, ids)
         return request_id
-
-    def _truncate(self, prompt_token_ids: Iterable[int], keep: int | None) -> Iterable[int]:
-        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the context less
-        one output token)."""
-        if keep is None:
-            return prompt_token_ids
-        ids = list(prompt_token_ids)
-        keep = self.max_model_len - 1 if keep == -1 else keep
-        if keep >= self.max_model_len:
-            raise ValueError(
-                f"truncate_prompt_tokens ({keep}) must be below this model's context of {self.max_model_len} tokens"
-            )
-        return ids[-keep:]
 
     def _check_logits_params(self, params: SamplingParams) -> None:
         """Token ids in the vocabulary (logit_bias, allowed_token_ids, stop_token_ids, tokenized
@@ -289,11 +277,7 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; this model's context is "
-                f"{self.max_model_len} tokens (prompt plus at least one output token)"
-            )
+        check_prompt_fits(len(ids), self.max_model_len)
         return ids
 
     def _new_seq(

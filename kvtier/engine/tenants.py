@@ -1,12 +1,14 @@
 """Tenant administration of one engine: purges, per-tenant TTLs, quotas and usage.
 
 The device part (the prefix index's unreferenced blocks) runs here, on the engine thread; the
-tier part runs on the tiers' admin worker, through TierHierarchy's public tenant methods::
+tier part runs on the tiers' admin worker, through the hierarchy's TenantAdmin
+(`TierHierarchy.tenants`, kvtier.tiers.tenants)::
 
     EngineCore.purge_tenant(t)
         abort_tenant(t)                        requests (EngineCore: they are its state)
         EngineTenants.begin_purge(t)           queued write-backs down, device blocks out,
-                                               tier I/O fenced -> future of the tier part
+            TenantAdmin.begin_purge(t)         tier I/O fenced, host entries out -> future of
+                                               the tier part
         future.result()                        host, disk, remote (admin worker)
 """
 
@@ -22,15 +24,16 @@ from kvtier.kvcache.prefix_index import CachedBlock
 
 if TYPE_CHECKING:
     from kvtier.tiers.hierarchy import TierHierarchy
+    from kvtier.tiers.tenants import TenantAdmin
 
 
 class EngineTenants:
     """The tenant administration of one EngineCore (its purge, TTL, quota and usage methods
     delegate here).
 
-    Owns the per-tenant TTL table (`ttl_s`, mirrored into the tiers' `owner_ttl_s`). Acts on
+    Owns the per-tenant TTL table (`ttl_s`, mirrored into TenantAdmin.owner_ttl_s). Acts on
     the core's KVCacheManager (device blocks, through its pool and prefix index) and on its
-    TierHierarchy, if any, through the hierarchy's public tenant methods only. It aborts no
+    TierHierarchy, if any, through the hierarchy's TenantAdmin (`tiers.tenants`) only. It aborts no
     requests: the core aborts a tenant's requests before `begin_purge`, so that their blocks
     are unreferenced and can go.
 
@@ -52,6 +55,8 @@ class EngineTenants:
     ) -> None:
         self.kv = kv
         self.tiers = tiers
+        self.admin: TenantAdmin | None = tiers.tenants if tiers is not None else None
+        """The hierarchy's tenant administration (None without tiers): the tier part of each method."""
         self.block_bytes = block_bytes
         """Bytes of one device block's KV (usage reports)."""
         self._store_blocks = store_blocks
@@ -67,19 +72,19 @@ class EngineTenants:
         """The engine-thread part of a purge, after the tenant's requests were aborted: queued
         write-backs go down (fenced with the old stamp, so the purge deletes them), the tenant's
         device blocks leave the prefix index, and its tier I/O is fenced off. The future runs
-        the tier part on the admin worker; see TierHierarchy.begin_purge."""
+        the tier part on the admin worker; see TenantAdmin.begin_purge."""
         if self.tiers is not None:
             self._store_blocks()
         removed = self._evict_cached(lambda n: n.owner == tenant)
         counts = {"device": removed, "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
-        future = self.tiers.begin_purge(tenant, everywhere) if self.tiers is not None else None
+        future = self.admin.begin_purge(tenant, everywhere) if self.admin is not None else None
         return counts, future
 
     def begin_purge_all(self) -> tuple[dict[str, int], Future | None]:
         """`begin_purge` for every tenant (after every request was aborted)."""
         counts = {"device": self.kv.pool.evict_all()}
         self.kv.take_blocks_to_store()  # a purge writes nothing down (write-back eviction log)
-        future = self.tiers.begin_purge_all() if self.tiers is not None else None
+        future = self.admin.begin_purge_all() if self.admin is not None else None
         return counts, future
 
     def purge(self, tenant: str | None) -> dict[str, Any]:
@@ -109,17 +114,17 @@ class EngineTenants:
             self.ttl_s.pop(tenant, None)
         else:
             self.ttl_s[tenant] = float(ttl_s)
-        if self.tiers is not None:
-            self.tiers.owner_ttl_s = dict(self.ttl_s)
+        if self.admin is not None:
+            self.admin.owner_ttl_s = dict(self.ttl_s)
 
     def set_quota(self, tenant: str | None, host_bytes: int | None = None, disk_bytes: int | None = None) -> None:
         """Cap `tenant`'s bytes in the host and disk tiers (its own oldest blocks go first);
         both None: no cap. No effect without tiers."""
-        if self.tiers is not None:
+        if self.admin is not None:
             if host_bytes is None and disk_bytes is None:
-                self.tiers.owner_quota.pop(tenant, None)
+                self.admin.owner_quota.pop(tenant, None)
             else:
-                self.tiers.owner_quota[tenant] = (host_bytes, disk_bytes)
+                self.admin.owner_quota[tenant] = (host_bytes, disk_bytes)
 
     def begin_sweep_expired(self) -> tuple[dict[str, dict[str, int]], Future | None]:
         """Drop each TTL'd tenant's device blocks older than its TTL (unreferenced ones, leaves
@@ -130,10 +135,10 @@ class EngineTenants:
         for tenant, ttl in self.ttl_s.items():
             removed = self._evict_cached(_cached_before(tenant, now - ttl))
             out[str(tenant)] = {"device": removed}
-        if self.tiers is None or not self.ttl_s:
+        if self.admin is None or not self.ttl_s:
             return out, None
-        ttls, tiers = dict(self.ttl_s), self.tiers
-        return out, tiers.submit_admin(lambda: {str(t): tiers.expire_owner(t, ttl) for t, ttl in ttls.items()})
+        ttls, admin = dict(self.ttl_s), self.admin
+        return out, admin.submit_admin(lambda: {str(t): admin.expire_owner(t, ttl) for t, ttl in ttls.items()})
 
     def sweep_expired(self) -> dict[str, dict[str, int]]:
         """`begin_sweep_expired`, then wait for the tier part (blocking)."""
@@ -150,10 +155,10 @@ class EngineTenants:
         return {"blocks": n, "bytes": n * self.block_bytes}
 
     def usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
-        """`device_usage`, plus the tiers' usage (TierHierarchy.owner_usage; blocking)."""
+        """`device_usage`, plus the tiers' usage (TenantAdmin.owner_usage; blocking)."""
         out = {"device": self.device_usage(tenant)}
-        if self.tiers is not None:
-            out.update(self.tiers.owner_usage(tenant))
+        if self.admin is not None:
+            out.update(self.admin.owner_usage(tenant))
         return out
 
 

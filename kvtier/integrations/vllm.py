@@ -1008,7 +1008,7 @@ class _WorkerSide:
                 if not known:
                     continue  # this worker never held the tenant's blocks
                 try:
-                    counts = self.tiers.begin_purge(owner).result()
+                    counts = self.tiers.tenants.begin_purge(owner).result()
                     self.purges_done += 1
                     logger.info("kvtier connector rank %d: purged tenant %s on request: %s", self.rank, oid, counts)
                 except Exception:

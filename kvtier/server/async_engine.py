@@ -134,44 +134,6 @@ class _Stop:
 FinishedHook = Callable[[RequestOutput, list[float]], None]
 
 
-# ---------------------------------------------------------------- engine-side steps, shared by the
-# engine thread here and the engine process (kvtier.server.engine_proc)
-def begin_purge(core: Any, tenant: str | None, every_tenant: bool) -> tuple[list[RequestOutput], dict[str, Any], Any]:
-    """Abort the tenant's (every tenant's) requests and run the engine part of its purge: their
-    final outputs, the device counts and the future of the tier part (None without tiers)."""
-    outs = [o for o in (core.abort_all() if every_tenant else core.abort_tenant(tenant)) if o is not None]
-    counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
-    counts["aborted_requests"] = len(outs)
-    return outs, counts, future
-
-
-def drop_revoked(core: Any) -> list[RequestOutput]:
-    """Fleet keys another instance destroyed: drop this instance's copies of those tenants
-    (their requests are aborted, as in a purge; Redis was purged by the other instance).
-    Returns the aborted requests' final outputs."""
-    tiers = getattr(core, "tiers", None)
-    if tiers is None or not tiers.revoked_owners:
-        return []
-    outs: list[RequestOutput] = []
-    for tenant in tiers.take_revoked():
-        outs += [o for o in core.abort_tenant(tenant) if o is not None]
-        core.begin_purge_tenant(tenant, everywhere=False)
-        logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
-    return outs
-
-
-def integrity_report(core: Any) -> dict[str, Any]:
-    """The engine's invariant checks (AssertionError when one fails) and its pool's state."""
-    core.check_integrity()
-    return {
-        "ok": True,
-        "kv_cache_usage_perc": core.kv.usage,
-        "num_free_blocks": core.kv.num_free_blocks,
-        "num_blocks": core.kv.num_blocks,
-        "num_unfinished": core.num_unfinished,
-    }
-
-
 class AsyncEngine:
     """Owns `engine` (an EngineCore) on a background thread once `start()` is called.
 
@@ -180,6 +142,9 @@ class AsyncEngine:
 
     def __init__(self, engine: Any, on_finished: FinishedHook | None = None) -> None:
         self.engine = engine
+        self.admin = engine.admin
+        """The engine's kvtier.engine.admin.EngineAdmin: purges, sweeps, usage, integrity and
+        fleet keys (the only way this front-end reaches the tiers)."""
         self.on_finished = on_finished
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -206,11 +171,8 @@ class AsyncEngine:
         """Add requests, all or none; raises the engine's ValueError for bad input. The caller
         must `abort` every request whose stream did not finish."""
         self._check_alive()
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is not None and getattr(tiers.keys, "refresh", None) is not None:
-            # fleet keys: notice a purge made by another instance before this one can hit
-            for tenant in {s.tenant for s in specs}:
-                await asyncio.to_thread(tiers.refresh_key, tenant)
+        if self.admin.checks_keys:  # fleet keys: notice a purge made by another instance before this one can hit
+            await asyncio.to_thread(self.admin.refresh_keys, {s.tenant for s in specs})
         streams = [RequestStream(s.request_id) for s in specs]
         ack = asyncio.get_running_loop().create_future()
         self._inbox.put(_Add(specs, streams, ack))
@@ -247,40 +209,27 @@ class AsyncEngine:
         (the remote tier was unreachable; the purge is recorded and completed later)."""
 
         def begin(core: Any) -> tuple[dict[str, Any], Any]:
-            outs, counts, future = begin_purge(core, tenant, every_tenant)
+            outs, counts, future = self.admin.begin_purge(tenant, every_tenant)
             self._dispatch(outs)
             return counts, future
 
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is not None and tiers.pending_purges():  # a retry also finishes earlier ones
-            await asyncio.wrap_future(tiers.submit_admin(tiers.retry_pending_purges))
+        retry = self.admin.retry_pending_purges()  # a retry also finishes earlier ones
+        if retry is not None:
+            await asyncio.wrap_future(retry)
         counts, future = await self.run_soon(begin)
-        if future is not None:
-            counts.update(await asyncio.wrap_future(future))
-        return counts
+        return counts if future is None else await asyncio.wrap_future(future)
 
     async def sweep(self) -> None:
         """TTL sweep (device part on the engine thread, tiers on the admin worker) and a retry
         of pending purges."""
-        _, future = await self.run_soon(lambda core: core.begin_sweep_expired())
+        future = await self.run_soon(lambda core: self.admin.begin_sweep())
         if future is not None:
             await asyncio.wrap_future(future)
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is not None and tiers.pending_purges():
-            await asyncio.wrap_future(tiers.submit_admin(tiers.retry_pending_purges))
 
     async def usage(self, tenant: str | None) -> dict[str, Any]:
         """The tenant's cached KV per tier: device on the engine thread, tiers off it."""
-        out = {"device": await self.run_soon(lambda core: core.device_usage(tenant))}
-        tiers = getattr(self.engine, "tiers", None)
-        if tiers is not None:
-
-            def tier_usage() -> dict[str, Any]:
-                tiers.flush(5.0)  # count what the requests answered so far have stored
-                return tiers.owner_usage(tenant)
-
-            out.update(await asyncio.wrap_future(tiers.submit_admin(tier_usage)))
-        return out
+        out, future = await self.run_soon(lambda core: self.admin.begin_usage(tenant))
+        return out if future is None else await asyncio.wrap_future(future)
 
     @property
     def max_model_len(self) -> int:
@@ -288,33 +237,34 @@ class AsyncEngine:
 
     @property
     def has_tiers(self) -> bool:
-        return getattr(self.engine, "tiers", None) is not None
+        return self.admin.has_tiers
 
     async def check_integrity(self) -> dict[str, Any]:
         """The engine's invariant checks once it is idle (AssertionError when one fails)."""
-        return await self.run_when_idle(integrity_report)
+        return await self.run_when_idle(lambda core: self.admin.integrity_report())
 
     async def metric_families(self) -> None:
         """None: the metrics collector reads this process's engine at scrape time."""
         return None
 
     def _apply_revocations(self) -> None:
-        """Fleet keys another instance destroyed: `drop_revoked`, outputs to their streams."""
-        self._dispatch(drop_revoked(self.engine))
+        """Fleet keys another instance destroyed: EngineAdmin.drop_revoked, outputs to their
+        streams."""
+        self._dispatch(self.admin.drop_revoked())
 
     @property
     def key_check_interval_s(self) -> float | None:
         """With fleet keys: how often the periodic key check (`check_keys`) is due; else None."""
-        tiers = getattr(self.engine, "tiers", None)
-        fleet = None if tiers is None else tiers.fleet_keys
-        return None if fleet is None else fleet.check_interval_s
+        return self.admin.key_check_interval_s
 
     async def check_keys(self) -> None:
         """The periodic fleet key check, with or without requests: re-read every cached data key
-        (off the engine thread) and drop the local copies of tenants whose key another
-        instance destroyed (device, host, disk), as a request of that tenant would."""
-        fleet = self.engine.tiers.fleet_keys
-        await asyncio.to_thread(fleet.refresh_all)
+        (on the tiers' admin worker, off the engine thread) and drop the local copies of
+        tenants whose key another instance destroyed (device, host, disk), as a request of that
+        tenant would."""
+        future = self.admin.begin_check_keys()
+        if future is not None:
+            await asyncio.wrap_future(future)
         await self.run_soon(lambda core: self._apply_revocations())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:

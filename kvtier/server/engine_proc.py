@@ -53,9 +53,6 @@ from kvtier.server.async_engine import (
     EngineStepError,
     RequestSpec,
     RequestStream,
-    begin_purge,
-    drop_revoked,
-    integrity_report,
 )
 
 logger = logging.getLogger("kvtier.server")
@@ -185,6 +182,8 @@ class _EngineLoop:
         import msgspec
 
         self.core = core
+        self.admin = core.admin
+        """The core's EngineAdmin (kvtier.engine.admin), as AsyncEngine uses it."""
         self.pull = pull
         self.push = push
         self._enc = msgspec.msgpack.Encoder()
@@ -245,7 +244,7 @@ class _EngineLoop:
             self.send(["out", batch])
 
     def _apply_revocations(self) -> None:
-        self._dispatch(drop_revoked(self.core))
+        self._dispatch(self.admin.drop_revoked())
 
     def _handle(self, msg: list[Any]) -> bool | None:
         kind = msg[0]
@@ -270,12 +269,10 @@ class _EngineLoop:
 
     def _add(self, call_id: int, specs: list[list[Any]]) -> None:
         core = self.core
-        tiers = core.tiers
         added: list[str] = []
         try:
-            if tiers is not None and getattr(tiers.keys, "refresh", None) is not None:
-                for tenant in {s[6] for s in specs}:  # fleet keys: see a purge made elsewhere first
-                    tiers.refresh_key(tenant)
+            if self.admin.checks_keys:  # fleet keys: see a purge made elsewhere first
+                self.admin.refresh_keys({s[6] for s in specs})
                 self._apply_revocations()
             for rid, ids, params, salt, priority, prompt, tenant, arrival in specs:
                 added.append(
@@ -299,54 +296,39 @@ class _EngineLoop:
             self._sent[rid] = []
         self.send(["reply", call_id, True, None])
 
-    def _reply_when(
-        self, call_id: int, future: Future | None, value: Any, combine: Callable[[Any, Any], Any] = lambda v, r: v
-    ) -> None:
-        """Reply `combine(value, future.result())` once `future` is done (now without one)."""
+    def _reply_when(self, call_id: int, now: Any, future: Future | None = None) -> None:
+        """Reply `now`, or `future.result()` once it is done (EngineAdmin's begin_* convention)."""
         if future is None:
-            self.send(["reply", call_id, True, value])
+            self.send(["reply", call_id, True, now])
             return
         self._waiting += 1
 
         def done(f: Future) -> None:
             self._waiting -= 1
             try:
-                self.send(["reply", call_id, True, combine(value, f.result())])
+                self.send(["reply", call_id, True, f.result()])
             except Exception as e:  # noqa: BLE001 - handed to the caller
                 self.send(["reply", call_id, False, [type(e).__name__, str(e)]])
 
         future.add_done_callback(done)
 
     def _call(self, call_id: int, op: str, arg: Any) -> None:
-        core, tiers = self.core, self.core.tiers
+        admin = self.admin
         try:
             if op == "purge":
                 tenant, every = arg
-                if tiers is not None and tiers.pending_purges():  # runs first on the admin worker
-                    tiers.submit_admin(tiers.retry_pending_purges)
-                outs, counts, future = begin_purge(core, tenant, every)
+                admin.retry_pending_purges()  # runs first on the admin worker
+                outs, counts, future = admin.begin_purge(tenant, every)
                 self._dispatch(outs)
-                self._reply_when(call_id, future, counts, lambda c, r: {**c, **r})
+                self._reply_when(call_id, counts, future)
             elif op == "usage":
-                out = {"device": core.device_usage(arg)}
-                if tiers is None:
-                    self._reply_when(call_id, None, out)
-                else:
-
-                    def tier_usage() -> dict[str, Any]:
-                        tiers.flush(5.0)
-                        return tiers.owner_usage(arg)
-
-                    self._reply_when(call_id, tiers.submit_admin(tier_usage), out, lambda o, r: {**o, **r})
+                self._reply_when(call_id, *admin.begin_usage(arg))
             elif op == "sweep":
-                _, future = core.begin_sweep_expired()
-                if tiers is not None and tiers.pending_purges():
-                    future = tiers.submit_admin(tiers.retry_pending_purges)
-                self._reply_when(call_id, future, None, lambda v, r: None)
+                self._reply_when(call_id, None, admin.begin_sweep())
             elif op == "check_keys":  # the periodic fleet key check (AsyncEngine.check_keys)
-                fleet = None if tiers is None else tiers.fleet_keys
-                if fleet is None:
-                    self._reply_when(call_id, None, None)
+                future = admin.begin_check_keys()
+                if future is None:
+                    self._reply_when(call_id, None)
                 else:
                     self._waiting += 1
 
@@ -358,13 +340,13 @@ class _EngineLoop:
 
                         self._soon.put(apply)
 
-                    tiers.submit_admin(fleet.refresh_all).add_done_callback(applied)
+                    future.add_done_callback(applied)
             elif op == "check_integrity":
-                self._reply_when(call_id, None, integrity_report(core))
+                self._reply_when(call_id, admin.integrity_report())
             elif op == "metrics":
                 from kvtier.server.metrics import EngineCollector
 
-                self._reply_when(call_id, None, pickle.dumps(list(EngineCollector(core).collect())))
+                self._reply_when(call_id, pickle.dumps(list(EngineCollector(self.core).collect())))
             else:
                 raise ValueError(f"unknown engine call {op!r}")
         except Exception as e:  # noqa: BLE001 - handed to the caller
@@ -402,7 +384,7 @@ def engine_main() -> int:
         core = llm.engine
         fleet = settings.get("fleet_keys")
         if fleet:
-            core.tiers.use_fleet_keys(fleet[0], fleet[1])
+            core.admin.use_fleet_keys(fleet[0], fleet[1])
         for tenant, ttl in settings.get("tenant_ttls", []):
             core.set_tenant_ttl(tenant, ttl)
         for tenant, host_bytes, disk_bytes in settings.get("tenant_quotas", []):
@@ -423,7 +405,7 @@ def engine_main() -> int:
                 "ready",
                 {
                     "max_model_len": core.max_model_len,
-                    "has_tiers": core.tiers is not None,
+                    "has_tiers": core.admin.has_tiers,
                     "threads": plan.describe() if plan is not None else None,
                     "pid": os.getpid(),
                 },

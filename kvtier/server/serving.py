@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvtier.engine.detokenizer import StreamText
+from kvtier.engine.input import kept_prompt_tokens, output_room, truncate_prompt
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import responses as R
@@ -334,7 +335,7 @@ class OpenAIServing:
                 include_usage,
                 req.return_token_ids,
                 continuous,
-                _kept_prompt_tokens(len(ids), params[0], self.max_model_len),
+                kept_prompt_tokens(len(ids), params[0].truncate_prompt_tokens, self.max_model_len),
                 tool_state,
             )
             return _streaming(gen, self.engine, streams)
@@ -570,21 +571,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ shared
     def _truncate(self, prompts: list[Prompt], keep: int | None) -> list[Prompt]:
-        """truncate_prompt_tokens applied here (the engine would do the same), so that usage,
-        echo and the request log see the prompt the engine runs."""
-        if keep is None:
-            return prompts
-        if not isinstance(keep, int) or (keep < 1 and keep != -1):
-            raise APIError(
-                f"truncate_prompt_tokens must be -1 or a positive integer, got {keep!r}", param="truncate_prompt_tokens"
-            )
-        keep = self.max_model_len - 1 if keep == -1 else keep
-        if keep >= self.max_model_len:
-            raise APIError(
-                f"truncate_prompt_tokens ({keep}) must be below this model's context of {self.max_model_len} tokens",
-                param="truncate_prompt_tokens",
-            )
-        return [(text, ids) if len(ids) <= keep else (None, ids[-keep:]) for text, ids in prompts]
+        """truncate_prompt_tokens applied here, before the engine sees the request (the engine's
+        own rule, kvtier.engine.input.truncate_prompt), so that usage, echo and the request log
+        see the prompt the engine runs. A cut prompt loses its text."""
+        try:
+            cut = [list(truncate_prompt(ids, keep, self.max_model_len)) for _, ids in prompts]
+        except ValueError as e:
+            raise APIError(str(e), param="truncate_prompt_tokens") from None
+        return [(text, ids) if len(kept) == len(ids) else (None, kept) for (text, ids), kept in zip(prompts, cut)]
 
     def _check_num_prompts(self, num_prompts: int) -> None:
         limit = self.limits.max_prompts_per_request
@@ -706,7 +700,7 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(str(e), param=source) from None
         d = self.defaults
-        room = max(self.max_model_len - len(prompt_ids), 1)
+        room = max(output_room(len(prompt_ids), self.max_model_len), 1)  # too long: the engine's 400
         if max_tokens is None:  # as much as the context allows (or generation_config's max_new_tokens)
             max_tokens = min(d.get("max_tokens", room), room)
         try:
@@ -882,13 +876,6 @@ def _usage_options(req: _SamplingFields) -> tuple[bool, bool]:
     if opts is None:
         return False, False
     return opts.include_usage, opts.include_usage and opts.continuous_usage_stats
-
-
-def _kept_prompt_tokens(n: int, sp: SamplingParams, max_model_len: int) -> int:
-    keep = sp.truncate_prompt_tokens
-    if keep is None:
-        return n
-    return min(n, max_model_len - 1 if keep == -1 else keep)
 
 
 def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -1,5 +1,7 @@
-"""Storage tiers below the device KV pool: the protocol (base), the frame codec, host, disk,
-remote, their shared LRU bookkeeping (lru), and the hierarchy over them (hierarchy, tenants).
+"""Storage tiers below the device KV pool: the protocol (base, with errors, faults: fault
+injection, and health: the health gate), the frame codec, host, disk, remote, their shared LRU
+bookkeeping (lru), and the hierarchy over them (hierarchy, with tenants: per-tenant
+administration, and sealing: frames encrypted with per-tenant data keys).
 
 Names load lazily: `kvtier.tiers.base` needs neither torch nor redis, so bookkeeping layers and
 the simulator can import the protocol alone.
@@ -12,10 +14,10 @@ from typing import Any
 
 _EXPORTS = {
     "Tier": "kvtier.tiers.base",
-    "TierError": "kvtier.tiers.base",
+    "TierError": "kvtier.tiers.errors",
     "TierStats": "kvtier.tiers.base",
-    "FaultConfig": "kvtier.tiers.base",
-    "HealthGate": "kvtier.tiers.base",
+    "FaultConfig": "kvtier.tiers.faults",
+    "HealthGate": "kvtier.tiers.health",
     "encode": "kvtier.tiers.codec",
     "decode": "kvtier.tiers.codec",
     "load_tensor": "kvtier.tiers.codec",

@@ -3,16 +3,20 @@
 A tier stores framed payloads (codec.py) under 16-byte block keys. The base class owns what
 must behave the same in every tier, so each backend implements only the raw operations:
 
-    caller ──> Tier.get/put/...   health gate ─ closed? ──> miss / dropped write (stats.skipped)
-                                      │ open (or one probe after the backoff)
+    caller ──> Tier.get/put/...   health gate (health.py) ─ closed? ──> miss / dropped write
+                                      │ open (or one probe after the backoff)    (stats.skipped)
                                       v
-                                  faults: latency, injected error, bandwidth
+                                  faults (faults.py): latency, injected error, bandwidth
                                       │
                                       v
                                   backend _get/_put/...   (disk files, Redis, ...)
                                       │ any exception
                                       v
-                                  stats.errors[kind] += 1, gate backs off, result is a miss
+                                  TierError (errors.py): stats.errors[kind] += 1, gate backs
+                                  off, result is a miss
+
+This module keeps the shared machinery (the counters, the log limiter, `Tier` itself); the
+error, fault injection and the gate are their own modules, re-exported from here.
 
 Contract for callers (the hierarchy's worker threads):
   - Every public method is thread-safe and never raises for backend trouble: a failed read is
@@ -34,242 +38,29 @@ corrupt entry at WARNING; repeats within 60 s only at DEBUG, the next WARNING co
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, TypeVar
+from dataclasses import dataclass, field, fields
+from typing import TypeVar
+
+# the error, fault injection and the health gate live in their own modules; their names stay
+# importable from here, their former home
+from kvtier.tiers.errors import TierError
+from kvtier.tiers.faults import (
+    FaultConfig,
+    FaultInjector,
+    InjectedError,  # noqa: F401 - re-exported
+)
+from kvtier.tiers.health import HealthGate
 
 _T = TypeVar("_T")
 
 logger = logging.getLogger(__name__)
 
 
-class TierError(Exception):
-    """A backend failure. `kind` names it: "timeout", "connection", "disk_full", "io",
-    "injected", ... Tiers raise it internally; it never reaches callers of the public methods."""
-
-    def __init__(self, kind: str, message: str = "") -> None:
-        super().__init__(f"{kind}: {message}" if message else kind)
-        self.kind = kind
-
-
-class InjectedError(TierError):
-    """The failure a FaultInjector makes up (kind "injected"): the only exception a tier may
-    count as injected; anything else from the fault machinery is a real bug."""
-
-    def __init__(self, message: str = "fault injection (error_rate)") -> None:
-        super().__init__("injected", message)
-
-
-# -- fault injection --------------------------------------------------------------------------------
-
-
-@dataclass
-class FaultConfig:
-    """Faults a tier adds to its own operations: slow, narrow or flaky storage on demand.
-
-    Used by experiments (what does a slow remote tier cost?) and tests. Latency is added to every
-    operation that reaches the backend; the bandwidth cap delays reads and writes by
-    nbytes / bandwidth, shared by all threads of the tier (one link, not one per thread).
-    """
-
-    latency_s: float = 0.0
-    bandwidth_bytes_per_s: float | None = None
-    error_rate: float = 0.0
-    """Probability that an operation fails with InjectedError (a TierError, kind "injected")."""
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {self.latency_s}")
-        if self.bandwidth_bytes_per_s is not None and self.bandwidth_bytes_per_s <= 0:
-            raise ValueError(f"bandwidth must be positive, got {self.bandwidth_bytes_per_s}")
-        if not 0.0 <= self.error_rate <= 1.0:
-            raise ValueError(f"error_rate must be in [0, 1], got {self.error_rate}")
-
-    @property
-    def active(self) -> bool:
-        return self.latency_s > 0 or self.bandwidth_bytes_per_s is not None or self.error_rate > 0
-
-    @classmethod
-    def parse(cls, spec: str | None) -> FaultConfig:
-        """Parse a CLI flag: "latency_ms=5,bandwidth_mbps=200,error_rate=0.1,seed=3".
-
-        Keys: latency_ms, latency_s, bandwidth_mbps (megabytes per second, 10^6 bytes/s),
-        bandwidth_gbps (gigabytes per second), bandwidth_bytes_per_s, error_rate, seed.
-        An empty string or "none" means no faults.
-        """
-        cfg = cls()
-        if spec is None or spec.strip().lower() in ("", "none", "off"):
-            return cfg
-        scale = {
-            "latency_ms": ("latency_s", 1e-3),
-            "latency_s": ("latency_s", 1.0),
-            "bandwidth_mbps": ("bandwidth_bytes_per_s", 1e6),
-            "bandwidth_gbps": ("bandwidth_bytes_per_s", 1e9),
-            "bandwidth_bytes_per_s": ("bandwidth_bytes_per_s", 1.0),
-            "error_rate": ("error_rate", 1.0),
-        }
-        values: dict[str, Any] = {}
-        for item in spec.split(","):
-            name, sep, raw = item.partition("=")
-            name = name.strip().lower()
-            if not sep or (name not in scale and name != "seed"):
-                raise ValueError(
-                    f"bad fault spec item {item!r} in {spec!r}; expected key=value "
-                    f"with key one of {sorted([*scale, 'seed'])}"
-                )
-            try:
-                if name == "seed":
-                    values["seed"] = int(raw)
-                else:
-                    attr, factor = scale[name]
-                    values[attr] = float(raw) * factor
-            except ValueError:
-                raise ValueError(f"bad number {raw!r} for {name!r} in fault spec {spec!r}") from None
-        return replace(cfg, **values)
-
-
-class FaultInjector:
-    """Applies one FaultConfig. Thread-safe; the random stream is seeded, so a single-threaded
-    run fails the same operations every time. `before_op` raises only InjectedError; both
-    methods may block (the configured latency, the bandwidth queue)."""
-
-    def __init__(self, config: FaultConfig | None, sleep: Callable[[float], None] = time.sleep) -> None:
-        self.config = config or FaultConfig()
-        self._rng = random.Random(self.config.seed)
-        self._lock = threading.Lock()
-        self._link_free_at = 0.0  # monotonic time when the simulated link is next idle
-        self._sleep = sleep
-
-    def before_op(self) -> None:
-        """Latency, then maybe an injected failure (InjectedError). Called before the backend
-        is touched."""
-        cfg = self.config
-        if cfg.latency_s > 0:
-            self._sleep(cfg.latency_s)
-        if cfg.error_rate > 0:
-            with self._lock:
-                fail = self._rng.random() < cfg.error_rate
-            if fail:
-                raise InjectedError()
-
-    def transfer(self, nbytes: int) -> None:
-        """Hold the caller until `nbytes` have passed the capped link (queued behind others)."""
-        bw = self.config.bandwidth_bytes_per_s
-        if bw is None or nbytes <= 0:
-            return
-        with self._lock:
-            now = time.monotonic()
-            start = max(now, self._link_free_at)
-            self._link_free_at = start + nbytes / bw
-            wait_s = self._link_free_at - now
-        self._sleep(wait_s)
-
-
-# -- health ------------------------------------------------------------------------------------------
-
-
-class HealthGate:
-    """Circuit breaker: after a failure the tier is skipped for a backoff, then probed once.
-
-        healthy ──failure──> unhealthy(backoff) ──backoff elapsed──> one probe ──success──> healthy
-                                   ^                                     │
-                                   └──────── failure: backoff *= 2 ──────┘   (capped at max)
-
-    While unhealthy, `allow()` is False and the tier answers without touching the backend. After
-    the backoff exactly one caller is let through (the probe); the others keep being refused
-    until the probe reports. The backoff resets on any success.
-    """
-
-    def __init__(
-        self, initial_backoff_s: float = 0.5, max_backoff_s: float = 30.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        if initial_backoff_s <= 0 or max_backoff_s < initial_backoff_s:
-            raise ValueError("need 0 < initial_backoff_s <= max_backoff_s")
-        self.initial_backoff_s = initial_backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._backoff_s: float | None = None  # None: healthy
-        self._retry_at = 0.0
-        self._probing = False
-        self.num_failures = 0
-        """Consecutive failures (0 when healthy)."""
-
-    @property
-    def healthy(self) -> bool:
-        return self._backoff_s is None
-
-    @property
-    def backoff_s(self) -> float | None:
-        """The current backoff, or None when healthy."""
-        return self._backoff_s
-
-    @property
-    def retry_in_s(self) -> float:
-        """Seconds until the next probe is allowed (0 when healthy or due)."""
-        with self._lock:
-            if self._backoff_s is None:
-                return 0.0
-            return max(0.0, self._retry_at - self._clock())
-
-    def allow(self) -> bool:
-        """May an operation touch the backend now? A True while unhealthy makes the caller the
-        probe: it must call record_success or record_failure."""
-        if self._backoff_s is None:  # fast path, no lock: a stale read only delays by one op
-            return True
-        with self._lock:
-            if self._backoff_s is None:
-                return True
-            if self._probing or self._clock() < self._retry_at:
-                return False
-            self._probing = True
-            return True
-
-    @property
-    def clock(self) -> Callable[[], float]:
-        """The gate's time source (tests inject a manual one; the tier's log limiter shares it)."""
-        return self._clock
-
-    def record_success(self) -> int:
-        """Returns how many consecutive failures this success ended (0: it was healthy)."""
-        if self._backoff_s is None:
-            return 0
-        with self._lock:
-            if self._backoff_s is None:
-                return 0
-            num_failures = self.num_failures
-            self._backoff_s = None
-            self._probing = False
-            self.num_failures = 0
-            return num_failures
-
-    def abandon_probe(self) -> None:
-        """The probe was interrupted before it could tell (KeyboardInterrupt, a killed
-        thread): say nothing about health, but let the next caller probe."""
-        with self._lock:
-            self._probing = False
-
-    def record_failure(self) -> bool:
-        """Returns True when this failure took the gate from healthy to unhealthy."""
-        with self._lock:
-            backoff_s = self._backoff_s
-            was_healthy = backoff_s is None
-            if backoff_s is None:
-                backoff_s = self.initial_backoff_s
-            elif self._probing or self._clock() >= self._retry_at:
-                # a failed probe (or the first failure after the backoff) doubles the wait;
-                # failures of operations that started before the gate closed do not
-                backoff_s = min(backoff_s * 2, self.max_backoff_s)
-            self._backoff_s = backoff_s
-            self._retry_at = self._clock() + backoff_s
-            self._probing = False
-            self.num_failures += 1
-            return was_healthy
+# -- logging -----------------------------------------------------------------------------------------
 
 
 class LogLimiter:

@@ -53,7 +53,9 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kvtier.tiers.base import FaultConfig, HealthGate, Tier
+from kvtier.tiers.base import Tier
+from kvtier.tiers.faults import FaultConfig
+from kvtier.tiers.health import HealthGate
 from kvtier.tiers.lru import ByteLRU
 
 _SUFFIX = ".kv"

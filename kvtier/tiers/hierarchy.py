@@ -14,8 +14,13 @@ The hierarchy is the policy *and* the I/O: the simulator (kvtier/sim) runs this 
 payload-free tiers and a serial executor (`tiers=`, `executor=`, and `_encode`/`_decode`
 overridden), so every placement decision it reports is this code's.
 
-Per-tenant administration (purges, TTL expiry, quotas, usage) lives in tenants.TenantAdmin; the
-tenant methods here delegate to it.
+Beside the I/O, in their own modules (the dependency goes one way, from here to them):
+
+    TierHierarchy ──> tenants   (tenants.TenantAdmin, `tenants`): purges, TTL expiry, quotas, usage;
+       │                        callers use `hierarchy.tenants.<method>` directly
+       ├────────────> sealing   (sealing.Sealing, `sealing`): frames encrypted with per-tenant
+       │                        data keys (`_encode` / `_decode` call it)
+       └────────────> fence     (fence.OwnerFence, `fence`): purges fence off queued tier I/O
 """
 
 from __future__ import annotations
@@ -31,12 +36,17 @@ from typing import Any
 
 from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
-from kvtier.tiers.base import FaultConfig, TierStats
+from kvtier.tiers.base import TierStats
 from kvtier.tiers.crypto import KeyDestroyedError, KeyStore
+from kvtier.tiers.faults import FaultConfig
 from kvtier.tiers.fence import OwnerFence, Stamp
 from kvtier.tiers.host import HostEntry, HostTier
-from kvtier.tiers.keyring import FleetKeyring, KeyringError, read_master_key
-from kvtier.tiers.owners import DEFAULT_OWNER, owner_id  # also re-exported from here, their former home
+from kvtier.tiers.keyring import FleetKeyring, KeyringError
+from kvtier.tiers.owners import (
+    DEFAULT_OWNER,  # noqa: F401 - re-exported from here, its former home
+    owner_id,  # also re-exported from here, its former home
+)
+from kvtier.tiers.sealing import Sealing
 from kvtier.tiers.tenants import TenantAdmin
 
 logger = logging.getLogger(__name__)
@@ -157,15 +167,17 @@ class TierHierarchy:
     """The tiers below the device pool (host -> disk -> remote) as one store, with the write
     policy, promotion and demotion, per-tenant encryption, and background I/O.
 
-    Stores: nothing itself; it owns the tiers (`tiers`, fastest first), the data keys
-    (`keys`), the purge fence (`fence`) and the tenant administration (`tenants`).
+    Stores: nothing itself; it owns the tiers (`tiers`, fastest first), the data keys and
+    what seals frames with them (`sealing`), the purge fence (`fence`) and the tenant
+    administration (`tenants`: call its methods directly).
 
     Thread-safety: the lookup methods (`runs`, `touch`, `contains_prefix` of host and disk)
     and `store`'s host part run synchronously on the caller's (engine) thread and never wait
     on disk or network; loads, disk/remote stores and remote lookups run on the I/O pool and
     hand back futures; purges, sweeps and usage queries run on the admin worker
-    (`submit_admin`). `_lock` guards the pending-store count, the in-flight counts and the
-    revoked tenants, and is never held across tier I/O. The tiers lock themselves.
+    (`tenants.submit_admin`). `_lock` guards the pending-store count and the in-flight counts,
+    and is never held across tier I/O. The tiers, the sealing and the tenant administration
+    lock themselves.
 
     Failures: a tier in trouble degrades to a miss or a dropped write (the tiers count it);
     a load stops at the first block it cannot get and returns the leading ones (the rest is
@@ -200,19 +212,12 @@ class TierHierarchy:
         else:
             self.tiers = self._open_tiers(config, fingerprint)
         self.names = list(self.tiers)
-        self.keys: FleetKeyring | KeyStore | None = None
-        self.revoked_owners: set[str | None] = set()
-        """Tenants whose fleet data key another instance destroyed or replaced: the engine
-        purges its own copies of them (AsyncEngine) and clears the entry."""
+        self.sealing = Sealing(fingerprint, config.compression)
+        """The data keys and the sealing of disk and remote frames with them."""
         if config.master_key_file:
-            self.keys = FleetKeyring(
-                read_master_key(config.master_key_file),
-                self.tiers["remote"],
-                check_interval_s=config.key_check_interval_s,
-                on_revoked=self._on_key_revoked,
-            )
+            self.sealing.use_fleet_keys(config.master_key_file, self.tiers["remote"], config.key_check_interval_s)
         elif config.key_dir:
-            self.keys = KeyStore(config.key_dir)
+            self.sealing.use_key_dir(config.key_dir)
         self.cost = cost or CostModel(self.names, block_bytes, block_size)
         self._pool = executor or ThreadPoolExecutor(
             max_workers=config.io_threads, thread_name_prefix="kvtier-io", initializer=threads.on_helper_thread
@@ -220,11 +225,19 @@ class TierHierarchy:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # pending stores drained (flush)
         self.fence = OwnerFence()
-        self.tenants = TenantAdmin(self, _ledger_path(config, fingerprint))
-        """Purges, TTL expiry, quotas and usage per tenant (the methods below delegate to it)."""
+        self.stats = HierarchyStats()
+        self.tenants = TenantAdmin(
+            self.tiers,
+            fence=self.fence,
+            sealing=self.sealing,
+            stats=self.stats,
+            block_bytes=block_bytes,
+            remote_ttl_s=config.remote_ttl_s,
+            ledger_path=_ledger_path(config, fingerprint),
+        )
+        """Purges, TTL expiry, quotas and usage per tenant: callers use its methods directly."""
         self._pending_stores = 0
         self._inflight: dict[str, int] = {name: 0 for name in self.names}
-        self.stats = HierarchyStats()
         self._closed = False
 
     def use_fleet_keys(self, master_key_file: str, check_interval_s: float = 1.0) -> None:
@@ -232,19 +245,25 @@ class TierHierarchy:
         `master_key_file` in the config does, for a caller that built the hierarchy already."""
         if "remote" not in self.tiers:
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
-        self.keys = FleetKeyring(
-            read_master_key(master_key_file),
-            self.tiers["remote"],
-            check_interval_s=check_interval_s,
-            on_revoked=self._on_key_revoked,
-        )
+        self.sealing.use_fleet_keys(master_key_file, self.tiers["remote"], check_interval_s)
 
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
+    @property
+    def keys(self) -> FleetKeyring | KeyStore | None:
+        """Sealing.keys: the data keys (None: frames are not encrypted)."""
+        return self.sealing.keys
+
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     @property
     def fleet_keys(self) -> FleetKeyring | None:
-        """The data keys when they are fleet keys (kvtier.tiers.keyring), else None."""
-        if self.keys is None:
-            return None
-        return self.keys if isinstance(self.keys, FleetKeyring) else None
+        """Sealing.fleet_keys: the data keys when they are fleet keys, else None."""
+        return self.sealing.fleet_keys
+
+    # used by kvtier/server/async_engine.py: removed with the engine boundary
+    @property
+    def revoked_owners(self) -> set[str | None]:
+        """Sealing.revoked_owners: tenants whose fleet key another instance destroyed or replaced."""
+        return self.sealing.revoked_owners
 
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
@@ -325,66 +344,25 @@ class TierHierarchy:
             host.touch(reversed(keys))
 
     # ------------------------------------------------------------------ load
-    def _cipher(self, owner: str | None):
-        """The owner's cipher (None: no encryption). Raises KeyDestroyedError / KeyringError
-        when there is none to be had: the caller skips the block (a store) or misses (a load)."""
-        return None if self.keys is None else self.keys.cipher(owner or DEFAULT_OWNER)
-
     def _encode(self, kv: Any, key: bytes, owner: str | None) -> bytes:
-        """The frame a disk or remote tier stores for one block."""
-        from kvtier.tiers.codec import encode
-
-        return encode(
-            kv, fingerprint=self.fingerprint, key=key, compression=self.config.compression, cipher=self._cipher(owner)
-        )
+        """The frame a disk or remote tier stores for one block (Sealing.seal; the simulator
+        overrides it)."""
+        return self.sealing.seal(kv, key, owner)
 
     def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
-        """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode."""
-        from kvtier.tiers.codec import CodecError, decode  # torch: only when frames are made
+        """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode
+        (Sealing.unseal; the simulator overrides it)."""
+        return self.sealing.unseal(tier, data, key, owner)
 
-        try:
-            cipher = self._cipher(owner)
-        except (KeyDestroyedError, KeyringError):
-            return None  # no key to be had now: a miss, the entry stays
-        try:
-            return decode(data, fingerprint=self.fingerprint, key=key, cipher=cipher)
-        except CodecError:
-            fresh = self._recheck_key(owner, cipher)
-            if fresh is not None:  # another instance made the entry with the fleet's newer key
-                try:
-                    return decode(data, fingerprint=self.fingerprint, key=key, cipher=fresh)
-                except CodecError:
-                    pass
-            tier.report_corrupt(key)
-            return None
-
-    def _recheck_key(self, owner: str | None, used: Any) -> Any | None:
-        """Fleet keys: the owner's current cipher if it differs from `used`, else None."""
-        fleet = self.fleet_keys
-        if used is None or fleet is None:
-            return None
-        try:
-            fresh = fleet.check(owner or DEFAULT_OWNER)
-        except Exception:  # noqa: BLE001 - Redis unreachable, a wrong master key: treat as corrupt
-            return None
-        return fresh if fresh is not None and fresh.key_id != used.key_id else None
-
-    def _on_key_revoked(self, tenant: str) -> None:
-        """The fleet keyring saw `tenant`'s key destroyed or replaced by another instance."""
-        with self._lock:
-            self.revoked_owners.add(None if tenant == DEFAULT_OWNER else tenant)
-
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     def refresh_key(self, owner: str | None) -> None:
-        """Fleet keys: re-read `owner`'s wrapped key if the cached one is older than the check
-        interval (any thread; a revocation lands in `revoked_owners`). No-op otherwise."""
-        fleet = self.fleet_keys
-        if fleet is not None:
-            fleet.refresh(owner or DEFAULT_OWNER)
+        """Sealing.refresh_key: fleet keys, re-read `owner`'s wrapped key if due."""
+        self.sealing.refresh_key(owner)
 
+    # used by kvtier/server/async_engine.py: removed with the engine boundary
     def take_revoked(self) -> list[str | None]:
-        with self._lock:
-            out, self.revoked_owners = list(self.revoked_owners), set()
-        return out
+        """Sealing.take_revoked: the revoked tenants, cleared."""
+        return self.sealing.take_revoked()
 
     def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
         """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
@@ -573,60 +551,27 @@ class TierHierarchy:
             return self._cond.wait_for(lambda: self._pending_stores == 0, timeout_s)
 
     # ------------------------------------------------------------------ tenants (TenantAdmin)
-    @property
-    def owner_quota(self) -> dict[str | None, tuple[int | None, int | None]]:
-        """Per-tenant (host_bytes, disk_bytes) caps (TenantAdmin.owner_quota)."""
-        return self.tenants.owner_quota
+    # Callers use `self.tenants.<method>` directly; these four remain only for the server.
 
-    @owner_quota.setter
-    def owner_quota(self, quotas: dict[str | None, tuple[int | None, int | None]]) -> None:
-        self.tenants.owner_quota = quotas
-
-    @property
-    def owner_ttl_s(self) -> dict[str | None, float]:
-        """Per-tenant time to live of stored KV (TenantAdmin.owner_ttl_s)."""
-        return self.tenants.owner_ttl_s
-
-    @owner_ttl_s.setter
-    def owner_ttl_s(self, ttls: dict[str | None, float]) -> None:
-        self.tenants.owner_ttl_s = ttls
-
-    def expire_owner(self, owner: str | None, ttl_s: float) -> dict[str, int]:
-        """TenantAdmin.expire_owner: `owner`'s blocks older than `ttl_s` out of host and disk."""
-        return self.tenants.expire_owner(owner, ttl_s)
-
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
         """TenantAdmin.owner_usage: what `owner` has stored, per tier."""
         return self.tenants.owner_usage(owner)
 
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     def submit_admin(self, fn: Callable[..., Any], *args: Any) -> Future:
         """TenantAdmin.submit_admin: run `fn(*args)` on the admin worker."""
         return self.tenants.submit_admin(fn, *args)
 
-    def purge_owner(self, owner: str | None) -> dict[str, Any]:
-        """TenantAdmin.purge_owner: delete every stored block of `owner` (blocking)."""
-        return self.tenants.purge_owner(owner)
-
-    def begin_purge(self, owner: str | None, everywhere: bool = True) -> Future:
-        """TenantAdmin.begin_purge: fence `owner` and drop its host entries now, the rest on
-        the admin worker."""
-        return self.tenants.begin_purge(owner, everywhere)
-
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     def retry_pending_purges(self, wait_gate_s: float = 5.0) -> dict[str, list[str]]:
         """TenantAdmin.retry_pending_purges (admin worker)."""
         return self.tenants.retry_pending_purges(wait_gate_s)
 
+    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
     def pending_purges(self) -> dict[str, list[str]]:
-        """{owner id: tiers} of purges not finished yet."""
+        """TenantAdmin.pending_purges: {owner id: tiers} of purges not finished yet."""
         return self.tenants.pending_purges()
-
-    def purge_all(self) -> dict[str, Any]:
-        """TenantAdmin.purge_all: delete every stored block of every tenant (blocking)."""
-        return self.tenants.purge_all()
-
-    def begin_purge_all(self) -> Future:
-        """TenantAdmin.begin_purge_all."""
-        return self.tenants.begin_purge_all()
 
     # ------------------------------------------------------------------ stats / lifecycle
     def tier_stats(self) -> dict[str, TierStats]:

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.base import FaultConfig, InjectedError, TierCounters
+from kvtier.tiers.base import TierCounters
+from kvtier.tiers.faults import FaultConfig, InjectedError
 from kvtier.tiers.fence import Stamp
 from kvtier.tiers.lru import ByteLRU
 

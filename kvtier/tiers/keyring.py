@@ -31,8 +31,8 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 
-from kvtier.tiers.base import TierError
 from kvtier.tiers.crypto import KEY_BYTES, NONCE_BYTES, KeyDestroyedError
+from kvtier.tiers.errors import TierError
 from kvtier.tiers.owners import owner_id
 
 MAGIC = b"KVK1"

@@ -80,7 +80,7 @@ def purge_stored(
         )
         tiers = TierHierarchy(config, fingerprint=fp, block_bytes=1, block_size=1)
         try:
-            out["fingerprints"][fp.hex()] = tiers.purge_owner(tenant)
+            out["fingerprints"][fp.hex()] = tiers.tenants.purge_owner(tenant)
         finally:
             tiers.close()
     if key_dir and not out["fingerprints"]:

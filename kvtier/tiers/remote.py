@@ -62,7 +62,10 @@ from redis.connection import parse_url as redis_parse_url
 from redis.retry import Retry
 
 from kvtier.kvcache.keys import TAG_BYTES
-from kvtier.tiers.base import FaultConfig, HealthGate, Tier, TierError
+from kvtier.tiers.base import Tier
+from kvtier.tiers.errors import TierError
+from kvtier.tiers.faults import FaultConfig
+from kvtier.tiers.health import HealthGate
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,19 @@
 """TenantAdmin: what a TierHierarchy does per tenant beside its I/O: purges, TTL expiry, quotas,
 usage.
 
-    engine / server ──> TierHierarchy.begin_purge, expire_owner, owner_usage, ... (thin)
+    engine / server ──> hierarchy.tenants.begin_purge, expire_owner, owner_usage, ...
                               │
                               v
                         TenantAdmin ──> host:   owner_keys / purge_owner / expire_owner
                          │  admin worker  disk:   owner_keys / entry_sizes / purge / expire_owner
-                         │  ledger        remote: owner_keys / unlink / forget_owner / clear
+                         │  ledger        remote: owner_keys / drain_owner / clear
                          v
-                        hierarchy.fence (fence.OwnerFence), hierarchy.keys (data keys)
+                        fence (fence.OwnerFence), sealing.keys (sealing.Sealing: the data keys),
+                        stats.quota_evictions: what the hierarchy hands it, nothing more
+
+The dependency goes one way: the hierarchy builds its TenantAdmin with the pieces it needs (the
+tiers mapping, the fence, the sealing, the counters, the block size, the tier TTL) and calls
+its quota and TTL checks; TenantAdmin knows nothing of the hierarchy.
 
 Tenants are named by the caller (`owner`: str, None for no named tenant); the disk and remote
 tiers know them by their owner id (owners.owner_id: a hash, so names never reach storage).
@@ -18,21 +23,27 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier import threads
-from kvtier.tiers.base import TierError
-from kvtier.tiers.fence import ALL, PurgeLedger
+from kvtier.tiers.errors import TierError
+from kvtier.tiers.fence import ALL, OwnerFence, PurgeLedger
 from kvtier.tiers.keyring import KeyringError
 from kvtier.tiers.owners import DEFAULT_OWNER, owner_id
 
 if TYPE_CHECKING:
-    from kvtier.tiers.hierarchy import TierHierarchy
+    from kvtier.tiers.sealing import Sealing
 
 logger = logging.getLogger(__name__)
+
+
+class QuotaCounter(Protocol):
+    """Where quota evictions are counted (the hierarchy's HierarchyStats)."""
+
+    quota_evictions: int
 
 
 class TenantAdmin:
@@ -52,8 +63,28 @@ class TenantAdmin:
     tier). A remote purge that cannot reach Redis does not fail the purge: it is recorded in
     the ledger as pending, the tenant stays fenced off, and `retry_pending_purges` finishes it."""
 
-    def __init__(self, hierarchy: TierHierarchy, ledger_path: Path | None) -> None:
-        self._h = hierarchy
+    def __init__(
+        self,
+        tiers: Mapping[str, Any],
+        *,
+        fence: OwnerFence,
+        sealing: Sealing,
+        stats: QuotaCounter,
+        block_bytes: int,
+        remote_ttl_s: float | None = None,
+        ledger_path: Path | None = None,
+    ) -> None:
+        """`tiers`: the hierarchy's tiers by name (read live: the same mapping); `fence`: its
+        purge fence; `sealing`: its data keys (forgotten and destroyed by purges); `stats`:
+        where quota evictions are counted; `block_bytes`: one block's KV (host quota and usage);
+        `remote_ttl_s`: the remote tier's own TTL; `ledger_path`: where pending purges are kept
+        (None: in memory)."""
+        self._tiers = tiers
+        self._fence = fence
+        self._sealing = sealing
+        self._stats = stats
+        self._block_bytes = block_bytes
+        self._remote_ttl_s = remote_ttl_s
         self.owner_quota: dict[str | None, tuple[int | None, int | None]] = {}
         """Per-tenant (host_bytes, disk_bytes) caps; a tenant over its cap loses its own oldest
         blocks first, never another tenant's."""
@@ -67,7 +98,7 @@ class TenantAdmin:
         self.ledger = PurgeLedger(ledger_path)
         self._held: set[str] = set()  # owner ids fenced until their pending remote purge is done
         for oid in self.ledger.pending():
-            hierarchy.fence.begin(oid)
+            fence.begin(oid)
             self._held.add(oid)
         self._admin: ThreadPoolExecutor | None = None  # purges, sweeps: off the engine thread
 
@@ -75,10 +106,10 @@ class TenantAdmin:
     def enforce_host_quota(self, owner: str | None) -> None:
         """Drop `owner`'s least recent host entries until it is within its host cap (if any)."""
         cap_bytes = self.owner_quota.get(owner, (None, None))[0]
-        host = self._h.tiers.get("host")
+        host = self._tiers.get("host")
         if cap_bytes is None or host is None:
             return
-        block_bytes = self._h.block_bytes
+        block_bytes = self._block_bytes
         mine = host.owner_keys(owner)  # least recent first
         excess = len(mine) * block_bytes - cap_bytes
         for key in mine:
@@ -86,12 +117,12 @@ class TenantAdmin:
                 break
             if host.delete(key):
                 excess -= block_bytes
-                self._h.stats.quota_evictions += 1
+                self._stats.quota_evictions += 1
 
     def enforce_disk_quota(self, owner: str | None) -> None:
         """Delete `owner`'s oldest-written disk entries until it is within its disk cap (if any)."""
         cap_bytes = self.owner_quota.get(owner, (None, None))[1]
-        disk = self._h.tiers.get("disk")
+        disk = self._tiers.get("disk")
         if cap_bytes is None or disk is None:
             return
         sizes = disk.entry_sizes(disk.owner_keys(owner_id(owner)))  # oldest write first
@@ -101,21 +132,21 @@ class TenantAdmin:
                 break
             if disk.delete(key):
                 excess -= size
-                self._h.stats.quota_evictions += 1
+                self._stats.quota_evictions += 1
 
     def remote_ttl(self, owner: str | None) -> float | None:
         """The TTL of `owner`'s remote entries: the shorter of the tier's and the tenant's."""
-        ttls = [t for t in (self._h.config.remote_ttl_s, self.owner_ttl_s.get(owner)) if t is not None]
+        ttls = [t for t in (self._remote_ttl_s, self.owner_ttl_s.get(owner)) if t is not None]
         return min(ttls) if ttls else None
 
     def expire_owner(self, owner: str | None, ttl_s: float) -> dict[str, int]:
         """Delete `owner`'s blocks stored more than `ttl_s` ago from host and disk (Redis
         entries carry the TTL themselves)."""
         counts: dict[str, int] = {}
-        host = self._h.tiers.get("host")
+        host = self._tiers.get("host")
         if host is not None:
             counts["host"] = host.expire_owner(owner, ttl_s, now=self.clock())
-        disk = self._h.tiers.get("disk")
+        disk = self._tiers.get("disk")
         if disk is not None:
             counts["disk"] = disk.expire_owner(owner_id(owner), ttl_s, now=self.wall_clock())
         return counts
@@ -123,12 +154,12 @@ class TenantAdmin:
     def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
         """{tier: {"blocks": n (, "bytes": host only)}} of what `owner` has stored."""
         out: dict[str, dict[str, int]] = {}
-        host = self._h.tiers.get("host")
+        host = self._tiers.get("host")
         if host is not None:
             n = len(host.owner_keys(owner))
-            out["host"] = {"blocks": n, "bytes": n * self._h.block_bytes}
+            out["host"] = {"blocks": n, "bytes": n * self._block_bytes}
         for name in ("disk", "remote"):
-            tier = self._h.tiers.get(name)
+            tier = self._tiers.get(name)
             if tier is not None:
                 keys = tier.owner_keys(owner_id(owner))
                 if name == "remote":  # entries the server's TTL removed are not counted
@@ -167,38 +198,37 @@ class TenantAdmin:
         `everywhere` False: only this instance's copies (host, disk), for a fleet key that
         another instance destroyed."""
         oid = owner_id(owner)
-        self._h.fence.begin(oid)
-        host = self._h.tiers.get("host")
+        self._fence.begin(oid)
+        host = self._tiers.get("host")
         num_host = host.purge_owner(owner) if host is not None else 0
-        if self._h.keys is not None:
-            self._h.keys.forget(owner or DEFAULT_OWNER)  # this process stops using the key at once
+        if self._sealing.keys is not None:
+            self._sealing.keys.forget(owner or DEFAULT_OWNER)  # this process stops using the key at once
         return self.submit_admin(self._finish_purge, owner, oid, num_host, everywhere)
 
     def _finish_purge(self, owner: str | None, oid: str, num_host: int, everywhere: bool) -> dict[str, Any]:
-        h = self._h
         settled = False
         try:
-            h.fence.wait_quiet(oid)  # stores and loads that began before the fence
+            self._fence.wait_quiet(oid)  # stores and loads that began before the fence
             counts: dict[str, Any] = {}
-            host = h.tiers.get("host")
+            host = self._tiers.get("host")
             if host is not None:  # again: promotions of loads that were in flight
                 counts["host"] = num_host + host.purge_owner(owner)
-            disk = h.tiers.get("disk")
+            disk = self._tiers.get("disk")
             if disk is not None:
                 counts["disk"] = disk.purge(disk.owner_keys(oid))
                 disk.forget_owner(oid)
             pending: list[str] = []
             if everywhere:
-                if "remote" in h.tiers:
+                if "remote" in self._tiers:
                     try:
                         counts["remote"] = self._purge_remote(oid)
                     except (TierError, KeyringError) as e:
                         logger.warning("purge of tenant %s: remote tier not purged (%s); pending", oid, e)
                         counts["remote"] = None
                         pending.append("remote")
-                if h.keys is not None and h.fleet_keys is None:
-                    counts["key_destroyed"] = int(h.keys.destroy(owner or DEFAULT_OWNER))
-                elif h.keys is not None:
+                if self._sealing.keys is not None and self._sealing.fleet_keys is None:
+                    counts["key_destroyed"] = int(self._sealing.keys.destroy(owner or DEFAULT_OWNER))
+                elif self._sealing.keys is not None:
                     counts["key_destroyed"] = 0 if pending else 1
             counts["pending"] = pending
             self._settle(oid, pending)
@@ -206,12 +236,12 @@ class TenantAdmin:
             return counts
         finally:
             if not settled:
-                h.fence.end(oid)
+                self._fence.end(oid)
 
     def _settle(self, oid: str, pending: list[str]) -> None:
         """After a purge attempt: record or clear `oid`'s pending part, and lift the fence
         once nothing is pending (the ledger's hold keeps it up until then)."""
-        fence = self._h.fence
+        fence = self._fence
         if pending:
             self.ledger.add(oid, pending)
             if oid in self._held:
@@ -228,8 +258,8 @@ class TenantAdmin:
     def _purge_remote(self, oid: str) -> int:
         """Delete `oid`'s Redis entries (ALL: every entry of this model configuration), its
         owner set and, with fleet keys, its wrapped data key. Raises TierError."""
-        remote = self._h.tiers["remote"]
-        fleet = self._h.fleet_keys
+        remote = self._tiers["remote"]
+        fleet = self._sealing.fleet_keys
         if fleet is not None:
             fleet.verify_domain()  # KeyringError: these entries belong to another master key
         if oid == ALL:
@@ -248,7 +278,7 @@ class TenantAdmin:
         """Finish the pending purges whose tiers answer now (admin worker). A tier in back-off
         is waited for (at most `wait_gate_s`) so that a caller retrying right after the
         backend returned gets its answer. Returns what is still pending per owner id."""
-        remote = self._h.tiers.get("remote")
+        remote = self._tiers.get("remote")
         for oid in self.ledger.pending():
             if remote is not None and not remote.healthy:
                 time.sleep(min(remote.health.retry_in_s, wait_gate_s))
@@ -258,7 +288,7 @@ class TenantAdmin:
             except (TierError, KeyringError) as e:
                 logger.info("pending purge of %s still pending: %s", oid, e)
                 continue
-            self._h.fence.begin(oid)
+            self._fence.begin(oid)
             self._settle(oid, [])
         return self.pending_purges()
 
@@ -274,36 +304,35 @@ class TenantAdmin:
     def begin_purge_all(self) -> Future:
         """`begin_purge` for every tenant: fence everyone, clear the host tier now, the rest
         on the admin worker."""
-        self._h.fence.begin(ALL)
-        host = self._h.tiers.get("host")
+        self._fence.begin(ALL)
+        host = self._tiers.get("host")
         num_host = host.clear() if host is not None else 0
         return self.submit_admin(self._finish_purge_all, num_host)
 
     def _finish_purge_all(self, num_host: int) -> dict[str, Any]:
-        h = self._h
         settled = False
         try:
-            h.fence.wait_quiet(ALL)
+            self._fence.wait_quiet(ALL)
             counts: dict[str, Any] = {}
-            for name, tier in h.tiers.items():
+            for name, tier in self._tiers.items():
                 if name == "host":
                     counts[name] = num_host + tier.clear()
                 elif name == "disk":
                     counts[name] = tier.clear()
             pending: list[str] = []
-            if "remote" in h.tiers:
+            if "remote" in self._tiers:
                 try:
                     counts["remote"] = self._purge_remote(ALL)
                 except (TierError, KeyringError) as e:
                     logger.warning("purge of every tenant: remote tier not purged (%s); pending", e)
                     counts["remote"] = None
                     pending.append("remote")
-            if h.keys is not None and h.fleet_keys is None:
-                counts["keys_destroyed"] = h.keys.destroy_all()
+            if self._sealing.keys is not None and self._sealing.fleet_keys is None:
+                counts["keys_destroyed"] = self._sealing.keys.destroy_all()
             counts["pending"] = pending
             self._settle(ALL, pending)
             settled = True
             return counts
         finally:
             if not settled:
-                h.fence.end(ALL)
+                self._fence.end(ALL)

@@ -86,7 +86,14 @@ def test_ttl_sweep_drops_only_blocks_older_than_the_tenants_ttl() -> None:
 
 
 class FakeTiers:
-    """TierHierarchy's public tenant methods, recording their calls; futures done at once."""
+    """A TierHierarchy as EngineTenants sees it: its tenant administration (`tenants`)."""
+
+    def __init__(self) -> None:
+        self.tenants = FakeTenantAdmin()
+
+
+class FakeTenantAdmin:
+    """TenantAdmin's methods, recording their calls; futures done at once."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
@@ -123,32 +130,33 @@ def test_tier_part_goes_through_the_hierarchys_tenant_methods() -> None:
     computed(m, "a1", list(range(1, 10)), "a")
     m.free("a1")
     tiers = FakeTiers()
+    admin = tiers.tenants
     stored: list[int] = []
 
     def store() -> None:  # the write-down runs before the device blocks go
         stored.append(len(m.index))
-        tiers.calls.append(("store",))
+        admin.calls.append(("store",))
 
     tenants = EngineTenants(m, tiers, BLOCK_BYTES, store)  # type: ignore[arg-type]  # a duck-typed fake
     assert tenants.purge("a") == {"device": 2, "device_in_use": 0, "host": 3, "disk": 1}
-    assert stored == [2] and tiers.calls == [("store",), ("begin_purge", "a", True)]
+    assert stored == [2] and admin.calls == [("store",), ("begin_purge", "a", True)]
 
-    tiers.calls.clear()
+    admin.calls.clear()
     counts, future = tenants.begin_purge("a", everywhere=False)
     assert counts == {"device": 0, "device_in_use": 0} and future is not None
-    assert tiers.calls == [("store",), ("begin_purge", "a", False)]
+    assert admin.calls == [("store",), ("begin_purge", "a", False)]
 
     tenants.set_ttl("a", 5)
     tenants.set_ttl(None, 7.5)
-    assert tiers.owner_ttl_s == {"a": 5.0, None: 7.5}
-    tiers.calls.clear()
+    assert admin.owner_ttl_s == {"a": 5.0, None: 7.5}
+    admin.calls.clear()
     assert tenants.sweep_expired() == {"a": {"device": 0, "host": 1}, "None": {"device": 0, "host": 1}}
-    assert tiers.calls == [("submit_admin",), ("expire_owner", "a", 5.0), ("expire_owner", None, 7.5)]
+    assert admin.calls == [("submit_admin",), ("expire_owner", "a", 5.0), ("expire_owner", None, 7.5)]
 
     tenants.set_quota("a", host_bytes=1000)
-    assert tiers.owner_quota == {"a": (1000, None)}
+    assert admin.owner_quota == {"a": (1000, None)}
     tenants.set_quota("a")
-    assert tiers.owner_quota == {}
+    assert admin.owner_quota == {}
 
     assert tenants.usage("a") == {"device": {"blocks": 0, "bytes": 0}, "host": {"blocks": 7, "bytes": 700}}
     assert tenants.purge_all() == {"device": 0, "host": 5}

@@ -1,8 +1,9 @@
 """AsyncEngine (kvtier.server.async_engine) driven with a fake engine: no model, no server.
 
 The fake implements only what AsyncEngine calls (add_request, abort_request, step,
-has_unfinished, max_model_len) and is deterministic: request tokens are a function of the prompt,
-and a gated fake takes one step per `permit()`, so a test knows exactly what each step emits.
+has_unfinished, max_model_len; `admin`, an EngineAdmin over it without tiers) and is
+deterministic: request tokens are a function of the prompt, and a gated fake takes one step per
+`permit()`, so a test knows exactly what each step emits.
 Every wait has a timeout, so a broken engine thread fails a test instead of hanging it.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kvtier.engine.admin import EngineAdmin
 from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestSpec, RequestStream
@@ -51,6 +53,7 @@ class FakeEngine:
         self.added: list[str] = []
         self.arrivals: dict[str | None, float | None] = {}
         self._permits = threading.Semaphore(0) if gated else None
+        self.admin = EngineAdmin(self)  # tiers = None: what AsyncEngine asks of the tiers is a no-op
 
     def permit(self, num_steps: int = 1) -> None:
         assert self._permits is not None

@@ -1,0 +1,183 @@
+"""EngineAdmin: the administration calls a serving front-end makes on an EngineCore (purges,
+TTL sweeps, usage, integrity checks, fleet keys), written once for both front-ends: the engine
+thread (kvtier.server.async_engine.AsyncEngine) and the engine process's loop
+(kvtier.server.engine_proc). The front-ends reach the core's tiers and tenant administration
+only through here (`core.admin`), never through `core.tiers`.
+
+Every `begin_*` runs its engine part at once and returns what it has now with the future of
+the tier part, run on the tiers' admin worker (one thread, jobs in order; None without tiers):
+the answer is the future's result when there is one, else what came back now::
+
+    now, future = core.admin.begin_usage(tenant)        # on the engine thread, between steps
+    answer = now if future is None else future.result()  # (or await asyncio.wrap_future)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtier.engine.core import EngineCore
+    from kvtier.outputs import RequestOutput
+
+logger = logging.getLogger("kvtier.engine")
+
+
+class EngineAdmin:
+    """The administration of one EngineCore (`core.admin`).
+
+    Threads: methods marked "engine thread" run on the thread that steps the core, between
+    steps (the front-ends queue them there); the others run on any thread and touch no
+    engine state (only the tiers, which lock themselves)."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._core = core
+
+    @property
+    def _tiers(self) -> Any:
+        return getattr(self._core, "tiers", None)
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether the engine has tiers below the device (any thread)."""
+        return self._tiers is not None
+
+    # ------------------------------------------------------------------ purges, sweeps, usage
+    def retry_pending_purges(self) -> Future | None:
+        """Purges left pending (a tier was unreachable) retried on the admin worker, ahead of
+        what is submitted after; None when none is pending (any thread)."""
+        tiers = self._tiers
+        if tiers is None or not tiers.pending_purges():
+            return None
+        return tiers.submit_admin(tiers.retry_pending_purges)
+
+    def begin_purge(
+        self, tenant: str | None, every_tenant: bool = False
+    ) -> tuple[list[RequestOutput], dict[str, Any], Future | None]:
+        """Abort the tenant's (every tenant's) requests and run the engine part of its purge
+        (engine thread): the aborted requests' final outputs, the counts so far and the future
+        of the whole counts once the tier part is done."""
+        core = self._core
+        outs = [o for o in (core.abort_all() if every_tenant else core.abort_tenant(tenant)) if o is not None]
+        counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
+        counts["aborted_requests"] = len(outs)
+        return outs, counts, None if future is None else _then(future, lambda tier_counts: {**counts, **tier_counts})
+
+    def begin_sweep(self) -> Future | None:
+        """The TTL sweep (engine thread: the device part now, the tiers' on the admin worker)
+        and a retry of pending purges; the future is done when both are (its result is None)."""
+        _, sweep = self._core.begin_sweep_expired()
+        retry = self.retry_pending_purges()  # after the sweep's tier part (one admin worker)
+        futures = [f for f in (sweep, retry) if f is not None]
+        if not futures:
+            return None
+        return _then(futures[0] if len(futures) == 1 else _after(*futures), lambda _: None)
+
+    def begin_usage(self, tenant: str | None) -> tuple[dict[str, Any], Future | None]:
+        """The tenant's cached KV per tier (engine thread): {"device": ...} now; the future of
+        every tier's, once the stores of the requests answered so far are counted."""
+        now: dict[str, Any] = {"device": self._core.device_usage(tenant)}
+        tiers = self._tiers
+        if tiers is None:
+            return now, None
+
+        def tier_usage() -> dict[str, Any]:
+            tiers.flush(5.0)  # count what the requests answered so far have stored
+            return {**now, **tiers.owner_usage(tenant)}
+
+        return now, tiers.submit_admin(tier_usage)
+
+    def integrity_report(self) -> dict[str, Any]:
+        """The engine's invariant checks (AssertionError when one fails) and its pool's state
+        (engine thread, with no request in flight)."""
+        core = self._core
+        core.check_integrity()
+        return {
+            "ok": True,
+            "kv_cache_usage_perc": core.kv.usage,
+            "num_free_blocks": core.kv.num_free_blocks,
+            "num_blocks": core.kv.num_blocks,
+            "num_unfinished": core.num_unfinished,
+        }
+
+    # ------------------------------------------------------------------ fleet keys
+    def use_fleet_keys(self, master_key_file: str, check_interval_s: float = 1.0) -> None:
+        """Switch the tiers to fleet keys (kvtier.tiers.keyring) before any request runs."""
+        self._tiers.use_fleet_keys(master_key_file, check_interval_s)
+
+    @property
+    def checks_keys(self) -> bool:
+        """Whether data keys are re-read before requests (fleet keys): `refresh_keys`."""
+        tiers = self._tiers
+        return tiers is not None and getattr(tiers.keys, "refresh", None) is not None
+
+    def refresh_keys(self, tenants: Iterable[str | None]) -> None:
+        """Fleet keys: re-read these tenants' data keys if stale, so that a purge made by
+        another instance is seen before their requests run (blocking I/O; any thread; a
+        revocation is applied by `drop_revoked`)."""
+        tiers = self._tiers
+        if tiers is None:
+            return
+        for tenant in tenants:
+            tiers.refresh_key(tenant)
+
+    @property
+    def key_check_interval_s(self) -> float | None:
+        """With fleet keys: how often the periodic key check (`begin_check_keys`) is due."""
+        tiers = self._tiers
+        fleet = None if tiers is None else tiers.fleet_keys
+        return None if fleet is None else fleet.check_interval_s
+
+    def begin_check_keys(self) -> Future | None:
+        """The periodic fleet key check: every cached data key re-read on the admin worker
+        (any thread); then `drop_revoked` on the engine thread. None without fleet keys."""
+        tiers = self._tiers
+        fleet = None if tiers is None else tiers.fleet_keys
+        return None if fleet is None else tiers.submit_admin(fleet.refresh_all)
+
+    def drop_revoked(self) -> list[RequestOutput]:
+        """Fleet keys another instance destroyed: drop this instance's copies of those tenants
+        (their requests are aborted, as in a purge; the remote tier was purged by the other
+        instance). Engine thread; returns the aborted requests' final outputs."""
+        tiers = self._tiers
+        if tiers is None or not tiers.revoked_owners:
+            return []
+        core = self._core
+        outs: list[RequestOutput] = []
+        for tenant in tiers.take_revoked():
+            outs += [o for o in core.abort_tenant(tenant) if o is not None]
+            core.begin_purge_tenant(tenant, everywhere=False)
+            logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
+        return outs
+
+
+def _then(future: Future, fn: Callable[[Any], Any]) -> Future:
+    """A future of `fn(future.result())` (or of its error)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 - handed to the waiter
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
+
+
+def _after(first: Future, last: Future) -> Future:
+    """A future of `last`'s result once both are done; `first`'s error wins."""
+    out: Future = Future()
+
+    def finish(f: Future) -> None:
+        error = first.exception() or f.exception()
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(f.result())
+
+    first.add_done_callback(lambda _: last.add_done_callback(finish))
+    return out
