@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,6 +25,62 @@ if TYPE_CHECKING:
     from kvtier.outputs import RequestOutput
 
 logger = logging.getLogger("kvtier.engine")
+
+
+@dataclass
+class TierCounters:
+    """One tier's counters (a copy of its TierStats' numbers)."""
+
+    lookups: int = 0
+    lookup_hits: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    corrupt: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class DriftCounters:
+    """The KV drift monitor's aggregates (kvtier.engine.drift.DriftStats), as numbers."""
+
+    mean_kl: float
+    kl_max: float
+    top1_agreement: float
+    num_samples: int
+    num_tokens: int
+    shadow_s: float
+    kl_buckets: list[float]
+    kl_bucket_counts: list[int]
+    request_kl_sum: float
+
+
+@dataclass
+class EngineStats:
+    """What the metrics scrape reads of an engine, copied at one moment (plain numbers, so it
+    crosses the process boundary as msgpack): kvtier.server.metrics renders it."""
+
+    block_size: int
+    num_blocks: int
+    kv_usage: float
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    iteration_token_buckets: list[int]
+    iteration_token_counts: list[int]
+    num_batched_tokens: int
+    cache_info: dict[str, str]
+    """The cache configuration's labels (cache_config_info)."""
+    tier_usage: dict[str, tuple[int, int | None]]
+    """Per tier: (bytes used, capacity or None)."""
+    tiers: dict[str, TierCounters]
+    num_preemptions: int
+    restore_decisions: dict[str, int]
+    restore_failures: int
+    num_running: int
+    num_waiting: int
+    num_loading: int
+    drift: DriftCounters | None = None
 
 
 class EngineAdmin:
@@ -44,6 +101,21 @@ class EngineAdmin:
     def has_tiers(self) -> bool:
         """Whether the engine has tiers below the device (any thread)."""
         return self._tiers is not None
+
+    def apply_settings(
+        self,
+        tenant_ttls: Iterable[tuple[str, float]] = (),
+        tenant_quotas: Iterable[tuple[str, int | None, int | None]] = (),
+        fleet_keys: tuple[str, float] | None = None,
+    ) -> None:
+        """The serving settings, before any request: fleet keys (master key file, check
+        interval), the tenants' TTLs and host/disk quotas (engine thread, or before it runs)."""
+        if fleet_keys:
+            self.use_fleet_keys(fleet_keys[0], fleet_keys[1])
+        for tenant, ttl in tenant_ttls:
+            self._core.tenants.set_ttl(tenant, ttl)
+        for tenant, host_bytes, disk_bytes in tenant_quotas:
+            self._core.tenants.set_quota(tenant, host_bytes, disk_bytes)
 
     # ------------------------------------------------------------------ purges, sweeps, usage
     def retry_pending_purges(self) -> Future | None:
@@ -102,6 +174,49 @@ class EngineAdmin:
             "num_blocks": core.kv.num_blocks,
             "num_unfinished": core.num_unfinished,
         }
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now (any thread: plain reads of counters the engine thread
+        updates; a dict it resizes meanwhile is copied again)."""
+        core = self._core
+        kv, sched, tiers = core.kv, core.scheduler, self._tiers
+        st, cc, tc = core.step_stats, core.config.cache, core.config.tiers
+        tier_stats = tiers.tier_stats() if tiers is not None else {}
+        drift = getattr(core, "drift", None)
+        return EngineStats(
+            block_size=kv.block_size,
+            num_blocks=kv.num_blocks,
+            kv_usage=kv.usage,
+            prefix_queries_tokens=kv.stats.queries_tokens,
+            prefix_hits_tokens=kv.stats.hits_tokens,
+            num_prompt_tokens=st.num_prompt_tokens,
+            num_generation_tokens=st.num_generation_tokens,
+            iteration_token_buckets=list(core.ITERATION_TOKEN_BUCKETS),
+            iteration_token_counts=list(st.iteration_token_counts),
+            num_batched_tokens=st.num_batched_tokens,
+            cache_info={
+                "block_size": str(kv.block_size),
+                "cache_dtype": str(cc.kv_cache_dtype),
+                "num_gpu_blocks": str(kv.num_blocks),
+                "enable_prefix_caching": str(cc.enable_prefix_caching),
+                "eviction_policy": str(cc.eviction_policy),
+                "host_cache_bytes": str(tc.host_cache_bytes or 0),
+                "disk_cache_bytes": str(tc.disk_cache_bytes or 0) if tc.disk_cache_dir else "0",
+                "remote_cache": str(bool(tc.remote_cache_url)),
+            },
+            tier_usage=dict(tiers.usage()) if tiers is not None else {},
+            tiers={
+                name: TierCounters(t.lookups, t.lookup_hits, t.bytes_read, t.bytes_written, t.corrupt, _copy(t.errors))
+                for name, t in tier_stats.items()
+            },
+            num_preemptions=sched.num_preemptions,
+            restore_decisions=_copy(sched.restore_decisions),
+            restore_failures=getattr(sched, "num_failed_loads", 0),
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_loading=len(sched.loading),
+            drift=None if drift is None else _drift_counters(drift),
+        )
 
     # ------------------------------------------------------------------ fleet keys
     def use_fleet_keys(self, master_key_file: str, check_interval_s: float = 1.0) -> None:
@@ -181,3 +296,28 @@ def _after(first: Future, last: Future) -> Future:
 
     first.add_done_callback(lambda _: last.add_done_callback(finish))
     return out
+
+
+def _copy(d: dict) -> dict:
+    """A copy of a dict the engine thread may be changing (a resize mid-copy raises; retry)."""
+    for _ in range(10):
+        try:
+            return dict(d)
+        except RuntimeError:
+            continue
+    return {}
+
+
+def _drift_counters(drift: Any) -> DriftCounters:
+    st = drift.stats
+    return DriftCounters(
+        mean_kl=st.mean_kl,
+        kl_max=st.kl_max,
+        top1_agreement=st.top1_agreement,
+        num_samples=st.num_samples,
+        num_tokens=st.num_tokens,
+        shadow_s=st.shadow_s,
+        kl_buckets=list(drift.KL_BUCKETS),
+        kl_bucket_counts=list(st.kl_bucket_counts),
+        request_kl_sum=st.request_kl_sum,
+    )

@@ -119,6 +119,9 @@ class EngineCore:
     Invariants (`check_integrity`, whenever no step is running): the unfinished sequences of
     its groups are exactly the scheduler's live requests; plus the Scheduler's invariants."""
 
+    ITERATION_TOKEN_BUCKETS = ITERATION_TOKEN_BUCKETS
+    """The bounds of the tokens-per-step histogram (StepStats.iteration_token_counts)."""
+
     def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
         from kvtier.model.runner import ModelRunner
 
