@@ -1,8 +1,8 @@
 """EngineAdmin: the administration calls a serving front-end makes on an EngineCore (purges,
-TTL sweeps, usage, integrity checks, fleet keys), written once for both front-ends: the engine
-thread (kvtier.server.async_engine.AsyncEngine) and the engine process's loop
-(kvtier.server.engine_proc). The front-ends reach the core's tiers and tenant administration
-only through here (`core.admin`), never through `core.tiers`.
+TTL sweeps, usage, integrity checks, fleet keys, the metrics' EngineStats), run by the one
+engine loop (kvtier.engine.loop, on the server's engine thread or in the engine process). The
+front-ends reach the core's tiers and tenant administration only through here (`core.admin`),
+never through `core.tiers`.
 
 Every `begin_*` runs its engine part at once and returns what it has now with the future of
 the tier part, run on the tiers' admin worker (one thread, jobs in order; None without tiers):
@@ -122,9 +122,9 @@ class EngineAdmin:
         """Purges left pending (a tier was unreachable) retried on the admin worker, ahead of
         what is submitted after; None when none is pending (any thread)."""
         tiers = self._tiers
-        if tiers is None or not tiers.pending_purges():
+        if tiers is None or not tiers.tenants.pending_purges():
             return None
-        return tiers.submit_admin(tiers.retry_pending_purges)
+        return tiers.tenants.submit_admin(tiers.tenants.retry_pending_purges)
 
     def begin_purge(
         self, tenant: str | None, every_tenant: bool = False
@@ -134,14 +134,14 @@ class EngineAdmin:
         of the whole counts once the tier part is done."""
         core = self._core
         outs = [o for o in (core.abort_all() if every_tenant else core.abort_tenant(tenant)) if o is not None]
-        counts, future = core.begin_purge_all() if every_tenant else core.begin_purge_tenant(tenant)
+        counts, future = core.tenants.begin_purge_all() if every_tenant else core.tenants.begin_purge(tenant)
         counts["aborted_requests"] = len(outs)
         return outs, counts, None if future is None else _then(future, lambda tier_counts: {**counts, **tier_counts})
 
     def begin_sweep(self) -> Future | None:
         """The TTL sweep (engine thread: the device part now, the tiers' on the admin worker)
         and a retry of pending purges; the future is done when both are (its result is None)."""
-        _, sweep = self._core.begin_sweep_expired()
+        _, sweep = self._core.tenants.begin_sweep_expired()
         retry = self.retry_pending_purges()  # after the sweep's tier part (one admin worker)
         futures = [f for f in (sweep, retry) if f is not None]
         if not futures:
@@ -151,16 +151,16 @@ class EngineAdmin:
     def begin_usage(self, tenant: str | None) -> tuple[dict[str, Any], Future | None]:
         """The tenant's cached KV per tier (engine thread): {"device": ...} now; the future of
         every tier's, once the stores of the requests answered so far are counted."""
-        now: dict[str, Any] = {"device": self._core.device_usage(tenant)}
+        now: dict[str, Any] = {"device": self._core.tenants.device_usage(tenant)}
         tiers = self._tiers
         if tiers is None:
             return now, None
 
         def tier_usage() -> dict[str, Any]:
             tiers.flush(5.0)  # count what the requests answered so far have stored
-            return {**now, **tiers.owner_usage(tenant)}
+            return {**now, **tiers.tenants.owner_usage(tenant)}
 
-        return now, tiers.submit_admin(tier_usage)
+        return now, tiers.tenants.submit_admin(tier_usage)
 
     def integrity_report(self) -> dict[str, Any]:
         """The engine's invariant checks (AssertionError when one fails) and its pool's state
@@ -227,7 +227,7 @@ class EngineAdmin:
     def checks_keys(self) -> bool:
         """Whether data keys are re-read before requests (fleet keys): `refresh_keys`."""
         tiers = self._tiers
-        return tiers is not None and getattr(tiers.keys, "refresh", None) is not None
+        return tiers is not None and getattr(tiers.sealing.keys, "refresh", None) is not None
 
     def refresh_keys(self, tenants: Iterable[str | None]) -> None:
         """Fleet keys: re-read these tenants' data keys if stale, so that a purge made by
@@ -237,34 +237,34 @@ class EngineAdmin:
         if tiers is None:
             return
         for tenant in tenants:
-            tiers.refresh_key(tenant)
+            tiers.sealing.refresh_key(tenant)
 
     @property
     def key_check_interval_s(self) -> float | None:
         """With fleet keys: how often the periodic key check (`begin_check_keys`) is due."""
         tiers = self._tiers
-        fleet = None if tiers is None else tiers.fleet_keys
+        fleet = None if tiers is None else tiers.sealing.fleet_keys
         return None if fleet is None else fleet.check_interval_s
 
     def begin_check_keys(self) -> Future | None:
         """The periodic fleet key check: every cached data key re-read on the admin worker
         (any thread); then `drop_revoked` on the engine thread. None without fleet keys."""
         tiers = self._tiers
-        fleet = None if tiers is None else tiers.fleet_keys
-        return None if fleet is None else tiers.submit_admin(fleet.refresh_all)
+        fleet = None if tiers is None else tiers.sealing.fleet_keys
+        return None if fleet is None else tiers.tenants.submit_admin(fleet.refresh_all)
 
     def drop_revoked(self) -> list[RequestOutput]:
         """Fleet keys another instance destroyed: drop this instance's copies of those tenants
         (their requests are aborted, as in a purge; the remote tier was purged by the other
         instance). Engine thread; returns the aborted requests' final outputs."""
         tiers = self._tiers
-        if tiers is None or not tiers.revoked_owners:
+        if tiers is None or not tiers.sealing.revoked_owners:
             return []
         core = self._core
         outs: list[RequestOutput] = []
-        for tenant in tiers.take_revoked():
+        for tenant in tiers.sealing.take_revoked():
             outs += [o for o in core.abort_tenant(tenant) if o is not None]
-            core.begin_purge_tenant(tenant, everywhere=False)
+            core.tenants.begin_purge(tenant, everywhere=False)
             logger.info("a purge elsewhere destroyed a tenant's data key; its local KV was dropped")
         return outs
 
