@@ -120,10 +120,10 @@ class EngineLoop:
             self._serve()
         except BaseException as e:
             logger.exception("the engine loop died")
-            self._end(f"the engine thread died: {e!r}", "the engine thread died")
+            self._end(f"the engine loop died: {e!r}", "the engine loop died")
             for cmd in self.transport.receive(0):  # answer whatever arrived meanwhile
                 if isinstance(cmd, (AddBatch, AdminCall, LocalCall)):
-                    self._reply_error(cmd.call_id, ErrorInfo("EngineDeadError", "the engine thread died", True))
+                    self._reply_error(cmd.call_id, ErrorInfo("EngineDeadError", "the engine loop died", True))
             raise
 
     def _serve(self) -> None:

@@ -444,7 +444,7 @@ class ServerMetrics:
             self._max_tokens[request_id] = max_tokens
 
     def observe_finished(self, out: RequestOutput, itl_s: list[float]) -> None:
-        """Called once per request when it ends (on the engine thread)."""
+        """Called once per request when it ends (on the event loop: EngineClient.on_finished)."""
         name = self.model_name
         m = out.metrics
         if m.ttft_s is not None:
