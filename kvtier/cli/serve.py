@@ -327,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
     # kvtier's own loggers (tiers going down and back, corrupt entries, purges) at the level the
     # operator asked for, with the level and source on each line (uvicorn formats its own)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from kvtier.engine.frontend import make_engine_client
     from kvtier.server.app import ServerConfig, run_server
     from kvtier.server.request_log import RequestLog
     from kvtier.server.serving import RequestLimits
@@ -392,11 +393,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.engine_in_process:
             with LLM(args.model, **args.engine_kwargs) as llm:
-                if args.kv_master_key_file:
-                    llm.engine.admin.use_fleet_keys(args.kv_master_key_file, args.kv_key_check_interval_s)
                 _use_chat_template(llm.tokenizer, args.chat_template)
+                client = make_engine_client(core=llm.engine, **_engine_settings(args, tenants))
                 return run_server(
-                    llm.engine, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
+                    client, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
                 )
         return _serve_engine_process(args, config, tenants, log)
     finally:
@@ -419,29 +419,30 @@ def _use_chat_template(tokenizer: Any, template: str | None) -> None:
     tokenizer.set_chat_template(text)
 
 
-def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
-    """The engine core in its own process (kvtier.server.engine_proc); this one serves HTTP."""
-    from kvtier import threads
-    from kvtier.model.tokenizer import Tokenizer, has_tokenizer
-    from kvtier.server.app import run_server, tenant_settings
-    from kvtier.server.engine_proc import EngineClient
+def _engine_settings(args: argparse.Namespace, tenants: Any) -> dict[str, Any]:
+    """make_engine_client's tenant and fleet key settings, the same in both engine modes."""
+    from kvtier.server.app import tenant_settings
     from kvtier.server.tenancy import SingleTenantResolver
+
+    ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
+    fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
+    return {"tenant_ttls": ttls, "tenant_quotas": quotas, "fleet_keys": fleet}
+
+
+def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, log: Any) -> int:
+    """The engine core in its own process (kvtier.engine.process); this one serves HTTP."""
+    from kvtier import threads
+    from kvtier.engine.frontend import make_engine_client
+    from kvtier.model.tokenizer import Tokenizer, has_tokenizer
+    from kvtier.server.app import run_server
 
     tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
     _use_chat_template(tokenizer, args.chat_template)
-    ttls, quotas = tenant_settings(tenants or SingleTenantResolver())
-    fleet = (args.kv_master_key_file, args.kv_key_check_interval_s) if args.kv_master_key_file else None
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
     plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
-    client = EngineClient(
-        args.model,
-        args.engine_kwargs,
-        tenant_ttls=ttls,
-        tenant_quotas=quotas,
-        fleet_keys=fleet,
-        log_level=args.log_level,
+    client = make_engine_client(
+        model=args.model, engine_kwargs=args.engine_kwargs, log_level=args.log_level, **_engine_settings(args, tenants)
     )
-    client.start_process()
     try:
         # this process is the engine's helper: off its compute CPUs where there are spare ones
         if plan.compute_cpus and set(plan.io_cpus).isdisjoint(plan.compute_cpus):

@@ -112,12 +112,15 @@ class EngineCore:
     administration (`tenants`: purges, TTLs, quotas, usage) and the user-level request groups
     (n samples of one prompt, their texts, logprobs and grammar state); a serving front-end
     administers it through `admin` (kvtier.engine.admin). Not thread-safe: one thread calls
-    everything (LLM's caller, or the server's engine thread: kvtier.server.async_engine and
-    engine_proc). A grammar-mask helper thread and the tiers' workers run
+    everything (LLM's caller, or kvtier.engine.loop.EngineLoop on the server's engine thread or
+    in the engine process). A grammar-mask helper thread and the tiers' workers run
     beside it, reached only through futures.
 
     Invariants (`check_integrity`, whenever no step is running): the unfinished sequences of
     its groups are exactly the scheduler's live requests; plus the Scheduler's invariants."""
+
+    ITERATION_TOKEN_BUCKETS = ITERATION_TOKEN_BUCKETS
+    """The bounds of the tokens-per-step histogram (StepStats.iteration_token_counts)."""
 
     def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
         from kvtier.model.runner import ModelRunner
@@ -551,53 +554,6 @@ class EngineCore:
     def _abort_groups(self, request_ids: list[str]) -> list[RequestOutput]:
         outs = [self.abort_request(rid) for rid in request_ids]
         return [o for o in outs if o is not None]
-
-    def begin_purge_tenant(self, tenant: str | None, everywhere: bool = True) -> tuple[dict[str, int], Future | None]:
-        """The engine-thread part of a purge, after `abort_tenant` (EngineTenants.begin_purge)."""
-        return self.tenants.begin_purge(tenant, everywhere)
-
-    def purge_tenant(self, tenant: str | None) -> dict[str, Any]:
-        """Abort `tenant`'s requests, delete its KV from the device pool and every tier, and
-        destroy its data key (blocking; the server runs the tier part off the engine thread)."""
-        aborted = self.abort_tenant(tenant)
-        counts = self.tenants.purge(tenant)
-        counts["aborted_requests"] = len(aborted)
-        return counts
-
-    def begin_purge_all(self) -> tuple[dict[str, int], Future | None]:
-        """`begin_purge_tenant` for every tenant (after `abort_all`)."""
-        return self.tenants.begin_purge_all()
-
-    def purge_all(self) -> dict[str, Any]:
-        """Every tenant's KV out of the device pool and every tier (blocking)."""
-        aborted = self.abort_all()
-        counts = self.tenants.purge_all()
-        counts["aborted_requests"] = len(aborted)
-        return counts
-
-    def set_tenant_ttl(self, tenant: str | None, ttl_s: float | None) -> None:
-        """KV of `tenant` lives at most `ttl_s` in any tier (enforced by `sweep_expired`)."""
-        self.tenants.set_ttl(tenant, ttl_s)
-
-    def set_tenant_quota(
-        self, tenant: str | None, host_bytes: int | None = None, disk_bytes: int | None = None
-    ) -> None:
-        """Cap `tenant`'s bytes in the host and disk tiers (its own oldest blocks go first)."""
-        self.tenants.set_quota(tenant, host_bytes, disk_bytes)
-
-    def sweep_expired(self) -> dict[str, dict[str, int]]:
-        """Drop each TTL'd tenant's KV older than its TTL in every tier (blocking)."""
-        return self.tenants.sweep_expired()
-
-    def begin_sweep_expired(self) -> tuple[dict[str, dict[str, int]], Future | None]:
-        """The device part of `sweep_expired` now; the tier part on the admin worker."""
-        return self.tenants.begin_sweep_expired()
-
-    def device_usage(self, tenant: str | None) -> dict[str, int]:
-        return self.tenants.device_usage(tenant)
-
-    def tenant_usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
-        return self.tenants.usage(tenant)
 
     def reset_prefix_cache(self) -> int:
         n = self.kv.pool.evict_all()

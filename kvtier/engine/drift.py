@@ -153,6 +153,9 @@ class DriftMonitor:
     `finish` when the request ends (queues the comparison), `run_pending` between steps.
     """
 
+    KL_BUCKETS = KL_BUCKETS
+    """The bounds of DriftStats.kl_bucket_counts."""
+
     def __init__(self, config: DriftConfig, runner: ModelRunner) -> None:
         self.config = config
         self.runner = runner

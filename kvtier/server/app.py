@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from kvtier.server.async_engine import AsyncEngine
+from kvtier.engine.client import EngineClient
 from kvtier.server.http_limits import (
     HTTPLimits,
     KeyLimiter,
@@ -59,9 +59,6 @@ from kvtier.server.serving import (
     valid_request_id,
 )
 from kvtier.server.tenancy import AdminAuth, SingleTenantResolver, Tenant, TenantResolver, api_key_from_header
-
-if TYPE_CHECKING:
-    from kvtier.server.engine_proc import EngineClient
 
 logger = logging.getLogger("kvtier.server")
 
@@ -149,26 +146,25 @@ def tenant_settings(resolver: TenantResolver) -> tuple[list[tuple[str, float]], 
 
 
 def build_app(
-    engine: Any, tokenizer: Any, config: ServerConfig, tenants: TenantResolver | None = None, request_log: Any = None
+    engine: EngineClient,
+    tokenizer: Any,
+    config: ServerConfig,
+    tenants: TenantResolver | None = None,
+    request_log: Any = None,
 ) -> FastAPI:
-    """An app serving `engine`: an EngineCore (owned by the app's engine thread from startup
-    until shutdown; the caller closes it afterwards), or a started EngineClient (the engine in
-    its own process, kvtier.server.engine_proc; it got the tenants' TTLs and quotas when it
-    started). `request_log`: a RequestLog or None."""
-    in_process = not getattr(engine, "is_engine_process", False)
-    metrics = ServerMetrics(engine if in_process else None, model_name=config.served_model_name)
+    """An app serving `engine`, an EngineClient not yet started (kvtier.engine.frontend.
+    make_engine_client: the engine on a thread of this process or in its own, given the
+    tenants' TTLs and quotas there); the app starts it at startup and shuts it down at
+    shutdown. `request_log`: a RequestLog or None."""
+    async_engine = engine
+    metrics = ServerMetrics(async_engine.stats_now, model_name=config.served_model_name)
 
     def on_finished(out: Any, itl_s: list[float]) -> None:
         metrics.observe_finished(out, itl_s)
         if request_log is not None:
             request_log.write(out, itl_s)
 
-    async_engine: AsyncEngine | EngineClient
-    if in_process:
-        async_engine = AsyncEngine(engine, on_finished=on_finished)
-    else:
-        async_engine = engine
-        engine.on_finished = on_finished
+    async_engine.on_finished = on_finished
     serving = OpenAIServing(
         async_engine,
         tokenizer,
@@ -191,12 +187,7 @@ def build_app(
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
-    ttl_tenants, quotas = tenant_settings(resolver)
-    if in_process:
-        for name, ttl in ttl_tenants:
-            engine.set_tenant_ttl(name, ttl)
-        for name, host_bytes, disk_bytes in quotas:
-            engine.set_tenant_quota(name, host_bytes, disk_bytes)
+    ttl_tenants, _ = tenant_settings(resolver)
 
     admin = AdminAuth(resolver, config.admin_key)
 
@@ -401,8 +392,8 @@ def build_app(
         from prometheus_client import CONTENT_TYPE_LATEST
 
         authorize(request, config.metrics_auth)
-        families = await async_engine.metric_families()  # None: read in this process at render
-        return Response(metrics.render(families), media_type=CONTENT_TYPE_LATEST)
+        await async_engine.fetch_stats()  # the engine process's counters now (in process: read at render)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     def require_admin(request: Request) -> None:
         key = api_key_from_header(request.headers.get("authorization"))
@@ -635,16 +626,16 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def run_server(
-    engine: Any,
+    engine: EngineClient,
     tokenizer: Any,
     config: ServerConfig,
     log_level: str = "info",
     tenants: TenantResolver | None = None,
     request_log: Any = None,
 ) -> int:
-    """Serve until interrupted (uvicorn). `engine`: an EngineCore (an engine thread in this
-    process) or a started EngineClient (its own process; when it dies the server shuts down).
-    Returns the exit status: 1 when the engine died."""
+    """Serve `engine` (an EngineClient not yet started) until interrupted (uvicorn); when the
+    engine dies on its own the server shuts down. Returns the exit status: 1 when the engine
+    died."""
     import uvicorn
 
     app = build_app(engine, tokenizer, config, tenants=tenants, request_log=request_log)
@@ -662,11 +653,10 @@ def run_server(
             http=limited_h11_protocol(limits),
         )
     )
-    if getattr(engine, "is_engine_process", False):
 
-        def engine_died() -> None:  # uvicorn's graceful shutdown: the open streams were failed
-            server.should_exit = True
+    def engine_died() -> None:  # uvicorn's graceful shutdown: the open streams were failed
+        server.should_exit = True
 
-        engine.on_dead = engine_died
+    engine.on_dead = engine_died
     server.run()
-    return 1 if getattr(engine, "error", None) is not None else 0
+    return 1 if engine.error is not None else 0

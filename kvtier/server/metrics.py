@@ -1,8 +1,10 @@
 """Prometheus metrics: the only module that turns the engine's stats into Prometheus series.
 
 Two sources:
-  * `EngineCollector` reads the engine's stats dataclasses at each scrape (cache usage, prefix
-    cache queries/hits, preemptions, tier bytes and errors, restore decisions, queue lengths);
+  * `EngineCollector` renders the engine's EngineStats (kvtier.engine.admin; read at each
+    scrape in process, or the engine process's copy fetched for the scrape): cache usage,
+    prefix cache queries/hits, preemptions, tier bytes and errors, restore decisions, queue
+    lengths;
   * `ServerMetrics.observe_finished` observes the latency histograms (and counts recomputed
     tokens) once per request, when it ends, from its final `RequestOutput`.
 
@@ -57,13 +59,13 @@ own hit rate.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvtier.engine.admin import DriftCounters, EngineStats
 from kvtier.outputs import RequestOutput
 from kvtier.tiers.hierarchy import TIER_ORDER
 
@@ -185,142 +187,112 @@ PHASE_BUCKETS_S = (
 
 
 class EngineCollector(Collector):
-    """Reads `engine` (an EngineCore) at scrape time; never changes it."""
+    """Renders the engine's counters at scrape time: `stats()` gives an EngineStats
+    (kvtier.engine.admin) read now (in process) or the engine process's latest copy."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.stats = stats
 
     def collect(self) -> Iterable[Metric]:
-        engine = self.engine
-        kv, sched, tiers = engine.kv, engine.scheduler, engine.tiers
-        bs = kv.block_size
-        tier_stats = tiers.tier_stats() if tiers is not None else {}
-        tier_usage = tiers.usage() if tiers is not None else {}
+        es = self.stats()
+        return [] if es is None else list(engine_families(es))
 
-        yield _gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", kv.usage)
+
+def engine_families(es: EngineStats) -> Iterable[Metric]:
+    """The engine's Prometheus families from one EngineStats."""
+    yield _gauge("kv_cache_usage_perc", "Fraction of device KV blocks in use (0..1).", es.kv_usage)
+    yield _gauge(
+        "gpu_cache_usage_perc",
+        "The device pool's kv_cache_usage_perc, under the name vLLM's dashboard reads.",
+        es.kv_usage,
+    )
+    yield _counter(
+        "prompt_tokens",
+        "Prompt tokens of requests that got their first token (cached ones included).",
+        es.num_prompt_tokens,
+    )
+    yield _counter("generation_tokens", "Tokens generated.", es.num_generation_tokens)
+    yield _bucket_histogram(
+        "iteration_tokens_total",
+        "Tokens computed per engine step.",
+        tuple(es.iteration_token_buckets),
+        es.iteration_token_counts,
+        es.num_batched_tokens,
+    )
+    info = GaugeMetricFamily(
+        PREFIX + "cache_config_info", "The cache configuration (value 1).", labels=list(es.cache_info)
+    )
+    info.add_metric(list(es.cache_info.values()), 1)
+    yield info
+    for name in ("host", "disk"):
+        used, cap = es.tier_usage.get(name, (0, None))
         yield _gauge(
-            "gpu_cache_usage_perc",
-            "The device pool's kv_cache_usage_perc, under the name vLLM's dashboard reads.",
-            kv.usage,
+            f"{name}_cache_usage_perc",
+            f"Fraction of the {name} tier's bytes in use (0..1; 0 when the tier is off).",
+            used / cap if cap else 0.0,
         )
-        from kvtier.engine.core import ITERATION_TOKEN_BUCKETS  # where the engine is, torch is
+    usage_b = GaugeMetricFamily(PREFIX + "tier_usage_bytes", "Bytes stored in a tier.", labels=["tier"])
+    cap_b = GaugeMetricFamily(PREFIX + "tier_capacity_bytes", "Capacity of a tier in bytes.", labels=["tier"])
+    for name, (used, cap) in es.tier_usage.items():
+        usage_b.add_metric([name], used)
+        if cap:
+            cap_b.add_metric([name], cap)
+    yield usage_b
+    yield cap_b
 
-        st = engine.step_stats
-        yield _counter(
-            "prompt_tokens",
-            "Prompt tokens of requests that got their first token (cached ones included).",
-            st.num_prompt_tokens,
-        )
-        yield _counter("generation_tokens", "Tokens generated.", st.num_generation_tokens)
-        yield _bucket_histogram(
-            "iteration_tokens_total",
-            "Tokens computed per engine step.",
-            ITERATION_TOKEN_BUCKETS,
-            st.iteration_token_counts,
-            st.num_batched_tokens,
-        )
-        cc = engine.config.cache
-        info = GaugeMetricFamily(
-            PREFIX + "cache_config_info",
-            "The cache configuration (value 1).",
-            labels=[
-                "block_size",
-                "cache_dtype",
-                "num_gpu_blocks",
-                "enable_prefix_caching",
-                "eviction_policy",
-                "host_cache_bytes",
-                "disk_cache_bytes",
-                "remote_cache",
-            ],
-        )
-        tc = engine.config.tiers
-        info.add_metric(
-            [
-                str(bs),
-                str(cc.kv_cache_dtype),
-                str(kv.num_blocks),
-                str(cc.enable_prefix_caching),
-                str(cc.eviction_policy),
-                str(tc.host_cache_bytes or 0),
-                str(tc.disk_cache_bytes or 0) if tc.disk_cache_dir else "0",
-                str(bool(tc.remote_cache_url)),
-            ],
-            1,
-        )
-        yield info
-        for name in ("host", "disk"):
-            used, cap = tier_usage.get(name, (0, None))
-            yield _gauge(
-                f"{name}_cache_usage_perc",
-                f"Fraction of the {name} tier's bytes in use (0..1; 0 when the tier is off).",
-                used / cap if cap else 0.0,
-            )
-        usage_b = GaugeMetricFamily(PREFIX + "tier_usage_bytes", "Bytes stored in a tier.", labels=["tier"])
-        cap_b = GaugeMetricFamily(PREFIX + "tier_capacity_bytes", "Capacity of a tier in bytes.", labels=["tier"])
-        for name, (used, cap) in tier_usage.items():
-            usage_b.add_metric([name], used)
-            if cap:
-                cap_b.add_metric([name], cap)
-        yield usage_b
-        yield cap_b
+    queries = CounterMetricFamily(
+        PREFIX + "prefix_cache_queries",
+        "Prompt tokens looked up, by tier (device: all prompts; a tier: after the tiers above missed).",
+        labels=["tier"],
+    )
+    hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found, by tier.", labels=["tier"])
+    queries.add_metric(["device"], es.prefix_queries_tokens)
+    hits.add_metric(["device"], es.prefix_hits_tokens)
+    for name, t in es.tiers.items():
+        queries.add_metric([name], t.lookups * es.block_size)
+        hits.add_metric([name], t.lookup_hits * es.block_size)
+    yield queries
+    yield hits
 
-        queries = CounterMetricFamily(
-            PREFIX + "prefix_cache_queries",
-            "Prompt tokens looked up, by tier (device: all prompts; a tier: after the tiers above missed).",
-            labels=["tier"],
-        )
-        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prompt tokens found, by tier.", labels=["tier"])
-        queries.add_metric(["device"], kv.stats.queries_tokens)
-        hits.add_metric(["device"], kv.stats.hits_tokens)
-        for name, st in tier_stats.items():
-            queries.add_metric([name], st.lookups * bs)
-            hits.add_metric([name], st.lookup_hits * bs)
-        yield queries
-        yield hits
+    yield _counter("num_preemptions", "Requests preempted (their KV recomputed later).", es.num_preemptions)
+    read = CounterMetricFamily(PREFIX + "tier_bytes_read", "Bytes read from a tier.", labels=["tier"])
+    written = CounterMetricFamily(PREFIX + "tier_bytes_written", "Bytes written to a tier.", labels=["tier"])
+    errors = CounterMetricFamily(
+        PREFIX + "tier_errors",
+        "Failed tier operations by kind (kind=corrupt: entries that failed their checks).",
+        labels=["tier", "kind"],
+    )
+    for name, t in es.tiers.items():
+        read.add_metric([name], t.bytes_read)
+        written.add_metric([name], t.bytes_written)
+        for kind, n in sorted(t.errors.items()):
+            errors.add_metric([name, kind], n)
+        errors.add_metric([name, "corrupt"], t.corrupt)
+    yield read
+    yield written
+    yield errors
 
-        yield _counter("num_preemptions", "Requests preempted (their KV recomputed later).", sched.num_preemptions)
-        read = CounterMetricFamily(PREFIX + "tier_bytes_read", "Bytes read from a tier.", labels=["tier"])
-        written = CounterMetricFamily(PREFIX + "tier_bytes_written", "Bytes written to a tier.", labels=["tier"])
-        errors = CounterMetricFamily(
-            PREFIX + "tier_errors",
-            "Failed tier operations by kind (kind=corrupt: entries that failed their checks).",
-            labels=["tier", "kind"],
-        )
-        for name, st in tier_stats.items():
-            read.add_metric([name], st.bytes_read)
-            written.add_metric([name], st.bytes_written)
-            for kind, n in sorted(st.errors.items()):
-                errors.add_metric([name, kind], n)
-            errors.add_metric([name, "corrupt"], st.corrupt)
-        yield read
-        yield written
-        yield errors
+    decisions = CounterMetricFamily(
+        PREFIX + "restore_decisions", "Restore-or-recompute decisions at admission.", labels=["decision"]
+    )
+    for kind, n in sorted(es.restore_decisions.items()):
+        decisions.add_metric([kind], n)
+    yield decisions
+    failed = CounterMetricFamily(
+        PREFIX + "restore_failures", "Restores whose load failed (their blocks were recomputed; each is logged)."
+    )
+    failed.add_metric([], es.restore_failures)
+    yield failed
 
-        decisions = CounterMetricFamily(
-            PREFIX + "restore_decisions", "Restore-or-recompute decisions at admission.", labels=["decision"]
-        )
-        for kind, n in sorted(_copy(sched.restore_decisions).items()):
-            decisions.add_metric([kind], n)
-        yield decisions
-        failed = CounterMetricFamily(
-            PREFIX + "restore_failures", "Restores whose load failed (their blocks were recomputed; each is logged)."
-        )
-        failed.add_metric([], getattr(sched, "num_failed_loads", 0))
-        yield failed
-
-        yield _gauge("num_requests_running", "Sequences running.", len(sched.running))
-        yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", len(sched.waiting))
-        yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.", len(sched.loading))
-        drift = getattr(engine, "drift", None)
-        if drift is not None:
-            yield from _drift_metrics(drift.stats)
+    yield _gauge("num_requests_running", "Sequences running.", es.num_running)
+    yield _gauge("num_requests_waiting", "Sequences waiting to be admitted.", es.num_waiting)
+    yield _gauge("num_requests_loading", "Sequences waiting for KV from a tier below.", es.num_loading)
+    if es.drift is not None:
+        yield from _drift_metrics(es.drift)
 
 
-def _drift_metrics(st: Any) -> Iterable[Metric]:
-    """The KV drift monitor's running aggregates (a kvtier.engine.drift.DriftStats)."""
-    from kvtier.engine.drift import KL_BUCKETS
-
+def _drift_metrics(st: DriftCounters) -> Iterable[Metric]:
+    """The KV drift monitor's running aggregates."""
     yield _gauge(
         "kv_drift_kl",
         "Mean KL divergence (nats) of served next-token distributions from "
@@ -339,7 +311,7 @@ def _drift_metrics(st: Any) -> Iterable[Metric]:
     yield _counter("kv_drift_shadow_seconds", "Seconds spent in full-precision shadow passes.", st.shadow_s)
     counts = list(st.kl_bucket_counts)
     buckets, total = [], 0
-    for bound, n in zip([*map(str, KL_BUCKETS), "+Inf"], counts):
+    for bound, n in zip([*map(str, st.kl_buckets), "+Inf"], counts):
         total += n
         buckets.append((bound, total))
     yield HistogramMetricFamily(
@@ -348,16 +320,6 @@ def _drift_metrics(st: Any) -> Iterable[Metric]:
         buckets=buckets,
         sum_value=st.request_kl_sum,
     )
-
-
-class SnapshotCollector(Collector):
-    """The engine's families as the engine process last sent them (kvtier.server.engine_proc)."""
-
-    def __init__(self) -> None:
-        self.families: list[Metric] = []
-
-    def collect(self) -> Iterable[Metric]:
-        return list(self.families)
 
 
 class LabelledCollector(Collector):
@@ -386,16 +348,14 @@ def _bucket_histogram(
 
 
 class ServerMetrics:
-    """The registry of one app: the engine collector plus per-request histograms. `engine`: an
-    EngineCore in this process, or None when it runs in its own (then `render(families)`).
+    """The registry of one app: the engine collector plus per-request histograms. `stats`: the
+    engine's counters at render time (EngineClient.stats_now, or an EngineAdmin's `stats`).
     Every series carries `model_name`."""
 
-    def __init__(self, engine: Any, model_name: str = "kvtier") -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str = "kvtier") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        self.snapshot = SnapshotCollector() if engine is None else None
-        inner: Collector = EngineCollector(engine) if self.snapshot is None else self.snapshot
-        self.registry.register(LabelledCollector(inner, {"model_name": model_name}))
+        self.registry.register(LabelledCollector(EngineCollector(stats), {"model_name": model_name}))
         r = self.registry
         m = ["model_name"]
 
@@ -484,7 +444,7 @@ class ServerMetrics:
             self._max_tokens[request_id] = max_tokens
 
     def observe_finished(self, out: RequestOutput, itl_s: list[float]) -> None:
-        """Called once per request when it ends (on the engine thread)."""
+        """Called once per request when it ends (on the event loop: EngineClient.on_finished)."""
         name = self.model_name
         m = out.metrics
         if m.ttft_s is not None:
@@ -528,9 +488,7 @@ class ServerMetrics:
         """A structured-outputs constraint refused before it ran (kvtier.server.serving)."""
         self.structured_errors.labels(self.model_name, reason).inc()
 
-    def render(self, families: list[Metric] | None = None) -> bytes:
-        if families is not None and self.snapshot is not None:
-            self.snapshot.families = families
+    def render(self) -> bytes:
         return generate_latest(self.registry)
 
 
@@ -548,13 +506,3 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=value)
-
-
-def _copy(d: dict) -> dict:
-    """A copy of a dict the engine thread may be changing (a resize mid-copy raises; retry)."""
-    for _ in range(10):
-        try:
-            return dict(d)
-        except RuntimeError:
-            continue
-    return {}

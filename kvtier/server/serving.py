@@ -24,17 +24,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvtier.engine.client import EngineClient, EngineDeadError, EngineStepError, RequestSpec, RequestStream
 from kvtier.engine.detokenizer import StreamText
 from kvtier.engine.input import kept_prompt_tokens, output_room, truncate_prompt
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server import responses as R
-from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestSpec, RequestStream
 from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields
 from kvtier.server.tenancy import Tenant, tenant_hash
 
 if TYPE_CHECKING:
-    from kvtier.server.engine_proc import EngineClient
     from kvtier.server.template_procs import TemplateProcesses
 
 logger = logging.getLogger("kvtier.server")
@@ -85,7 +84,7 @@ class OpenAIServing:
 
     def __init__(
         self,
-        engine: AsyncEngine | EngineClient,
+        engine: EngineClient,
         tokenizer: Any,
         model_name: str,
         max_model_len: int,
@@ -955,13 +954,13 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Requ
             task.cancel()
 
 
-def _abort_unfinished(engine: AsyncEngine | EngineClient, streams: list[RequestStream]) -> None:
+def _abort_unfinished(engine: EngineClient, streams: list[RequestStream]) -> None:
     for s in streams:
         if not s.finished:
             engine.abort(s.request_id)
 
 
-def _streaming(gen: AsyncIterator[str], engine: AsyncEngine | EngineClient, streams: list[RequestStream]) -> Response:
+def _streaming(gen: AsyncIterator[str], engine: EngineClient, streams: list[RequestStream]) -> Response:
     return _CleanupStreamingResponse(
         gen,
         cleanup=lambda: _abort_unfinished(engine, streams),

@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,11 +36,11 @@ from typing import Any
 from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.tiers.base import TierStats
-from kvtier.tiers.crypto import KeyDestroyedError, KeyStore
+from kvtier.tiers.crypto import KeyDestroyedError
 from kvtier.tiers.faults import FaultConfig
 from kvtier.tiers.fence import OwnerFence, Stamp
 from kvtier.tiers.host import HostEntry, HostTier
-from kvtier.tiers.keyring import FleetKeyring, KeyringError
+from kvtier.tiers.keyring import KeyringError
 from kvtier.tiers.owners import (
     DEFAULT_OWNER,  # noqa: F401 - re-exported from here, its former home
     owner_id,  # also re-exported from here, its former home
@@ -247,24 +246,6 @@ class TierHierarchy:
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
         self.sealing.use_fleet_keys(master_key_file, self.tiers["remote"], check_interval_s)
 
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    @property
-    def keys(self) -> FleetKeyring | KeyStore | None:
-        """Sealing.keys: the data keys (None: frames are not encrypted)."""
-        return self.sealing.keys
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    @property
-    def fleet_keys(self) -> FleetKeyring | None:
-        """Sealing.fleet_keys: the data keys when they are fleet keys, else None."""
-        return self.sealing.fleet_keys
-
-    # used by kvtier/server/async_engine.py: removed with the engine boundary
-    @property
-    def revoked_owners(self) -> set[str | None]:
-        """Sealing.revoked_owners: tenants whose fleet key another instance destroyed or replaced."""
-        return self.sealing.revoked_owners
-
     def _open_tiers(self, config: TierConfig, fingerprint: bytes) -> dict[str, Any]:
         """The tiers `config` describes, fastest first."""
         tiers: dict[str, Any] = {}
@@ -353,16 +334,6 @@ class TierHierarchy:
         """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode
         (Sealing.unseal; the simulator overrides it)."""
         return self.sealing.unseal(tier, data, key, owner)
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    def refresh_key(self, owner: str | None) -> None:
-        """Sealing.refresh_key: fleet keys, re-read `owner`'s wrapped key if due."""
-        self.sealing.refresh_key(owner)
-
-    # used by kvtier/server/async_engine.py: removed with the engine boundary
-    def take_revoked(self) -> list[str | None]:
-        """Sealing.take_revoked: the revoked tenants, cleared."""
-        return self.sealing.take_revoked()
 
     def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
         """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
@@ -549,29 +520,6 @@ class TierHierarchy:
         """Wait until queued stores are written (tests, shutdown). True if drained."""
         with self._cond:
             return self._cond.wait_for(lambda: self._pending_stores == 0, timeout_s)
-
-    # ------------------------------------------------------------------ tenants (TenantAdmin)
-    # Callers use `self.tenants.<method>` directly; these four remain only for the server.
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    def owner_usage(self, owner: str | None) -> dict[str, dict[str, int]]:
-        """TenantAdmin.owner_usage: what `owner` has stored, per tier."""
-        return self.tenants.owner_usage(owner)
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    def submit_admin(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """TenantAdmin.submit_admin: run `fn(*args)` on the admin worker."""
-        return self.tenants.submit_admin(fn, *args)
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    def retry_pending_purges(self, wait_gate_s: float = 5.0) -> dict[str, list[str]]:
-        """TenantAdmin.retry_pending_purges (admin worker)."""
-        return self.tenants.retry_pending_purges(wait_gate_s)
-
-    # used by kvtier/server/async_engine.py, kvtier/server/engine_proc.py: removed with the engine boundary
-    def pending_purges(self) -> dict[str, list[str]]:
-        """TenantAdmin.pending_purges: {owner id: tiers} of purges not finished yet."""
-        return self.tenants.pending_purges()
 
     # ------------------------------------------------------------------ stats / lifecycle
     def tier_stats(self) -> dict[str, TierStats]:

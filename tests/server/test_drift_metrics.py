@@ -44,7 +44,7 @@ def test_drift_series_over_http(serve):
 
 def test_no_drift_series_when_the_monitor_is_off(server_model_dir):
     llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=32, block_size=4)
-    metrics = ServerMetrics(llm.engine)
+    metrics = ServerMetrics(llm.engine.admin.stats)
     llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))
     assert llm.engine.drift is None
     assert drift_series(parse(metrics.render())) == {}

@@ -8,6 +8,7 @@ import random
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier import LLM, SamplingParams
+from kvtier.engine.frontend import make_engine_client
 from kvtier.server.app import ServerConfig, build_app
 from kvtier.server.metrics import ServerMetrics
 
@@ -34,7 +35,7 @@ def prompts(seed: int, n: int, length: int = 40) -> list[list[int]]:
 def test_each_app_has_its_own_registry(server_model_dir):
     a = LLM(str(server_model_dir), dtype="float32", num_device_blocks=32, block_size=4)
     b = LLM(str(server_model_dir), dtype="float32", num_device_blocks=48, block_size=4)
-    apps = [build_app(llm.engine, llm.tokenizer, ServerConfig()) for llm in (a, b, a)]
+    apps = [build_app(make_engine_client(core=llm.engine), llm.tokenizer, ServerConfig()) for llm in (a, b, a)]
     a.generate(prompts(0, 1), SP)
     values = [parse(app.state.metrics.render()) for app in apps]
     q = ("kvtier:prefix_cache_queries_total", (("tier", "device"),))
@@ -50,7 +51,7 @@ def test_tier_series_follow_the_engine(server_model_dir):
         host_cache_bytes=16 << 20,
         restore_policy="always",
     )
-    metrics = ServerMetrics(llm.engine)
+    metrics = ServerMetrics(llm.engine.admin.stats)
     first = prompts(1, 1)[0]
     outs = llm.generate(first, SP)
     outs += llm.generate(prompts(2, 3), SP)  # pushes `first` out of the device pool
@@ -83,7 +84,7 @@ def test_grafana_dashboard_uses_exported_series(server_model_dir):
     from pathlib import Path
 
     llm = LLM(str(server_model_dir), dtype="float32", num_device_blocks=16, block_size=4)
-    families = {f.name for f in ServerMetrics(llm.engine).registry.collect()}
+    families = {f.name for f in ServerMetrics(llm.engine.admin.stats).registry.collect()}
     dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana-kvtier.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     used = {re.sub(r"_(bucket|total|count|sum)$", "", m) for e in exprs for m in re.findall(r"kvtier:[a-z0-9_]+", e)}
@@ -105,7 +106,7 @@ def test_lower_tiers_are_queried_only_after_a_miss_above(server_model_dir, tmp_p
         restore_policy="always",
         max_num_seqs=4,
     )
-    metrics = ServerMetrics(llm.engine)
+    metrics = ServerMetrics(llm.engine.admin.stats)
     shared = prompts(7, 6, length=36)
     for r in range(3):  # revisits under pressure: restores from host and disk, waits for space
         llm.generate(shared[r % 2 :: 2] + prompts(10 + r, 4, length=36), SP)

@@ -21,7 +21,8 @@ redis = pytest.importorskip("redis")
 from starlette.testclient import TestClient  # noqa: E402 - after the skip: the server's extras
 
 from kvtier import LLM  # noqa: E402
-from kvtier.server.app import ServerConfig, build_app  # noqa: E402
+from kvtier.engine.frontend import make_engine_client  # noqa: E402
+from kvtier.server.app import ServerConfig, build_app, tenant_settings  # noqa: E402
 from kvtier.server.tenancy import ApiKeyResolver  # noqa: E402
 
 PROMPT = "Short-lived context that this tenant's policy allows to be cached for one hour. " * 2
@@ -69,7 +70,10 @@ def ttl_app(server_model_dir, tmp_path, redis_url, clock):
     llm.engine.tiers.tenants.clock, llm.engine.tiers.tenants.wall_clock = clock.monotonic, clock.time  # host, disk
     # the periodic sweeper never fires during the test: the test sweeps itself
     config = ServerConfig(served_model_name="tiny", ttl_sweep_interval_s=24 * 3600.0)
-    app = build_app(llm.engine, llm.tokenizer, config, tenants=ApiKeyResolver.from_file(str(keys)))
+    resolver = ApiKeyResolver.from_file(str(keys))
+    ttls, quotas = tenant_settings(resolver)
+    engine = make_engine_client(core=llm.engine, tenant_ttls=ttls, tenant_quotas=quotas)
+    app = build_app(engine, llm.tokenizer, config, tenants=resolver)
     try:
         with TestClient(app) as client:
             yield client

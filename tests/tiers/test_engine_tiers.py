@@ -322,13 +322,13 @@ def test_tenant_quotas_cap_host_and_disk_bytes_of_that_tenant_only(model_dir, ex
     # a disk frame is a block plus a header, charged in whole file-system blocks: room for 8, not 9
     frame = encode(eng.runner.read_block(0), fingerprint=eng.runner.fingerprint, key=bytes(16))
     charge = eng.tiers.tiers["disk"].charged_bytes(len(frame))
-    eng.set_tenant_quota("small", host_bytes=5 * bb, disk_bytes=8 * charge + charge // 2)
+    eng.tenants.set_quota("small", host_bytes=5 * bb, disk_bytes=8 * charge + charge // 2)
     for tenant in ("small", "big"):
         eng.add_request(p, SP, tenant=tenant, cache_salt=tenant)  # as the server does
         while eng.has_unfinished:
             eng.step()
     eng.tiers.flush()
-    use_small, use_big = eng.tenant_usage("small"), eng.tenant_usage("big")
+    use_small, use_big = eng.tenants.usage("small"), eng.tenants.usage("big")
     assert use_small["host"]["blocks"] == 5 and use_small["disk"]["blocks"] == 8
     assert use_big["host"]["blocks"] == 16 and use_big["disk"]["blocks"] == 16
     assert eng.tiers.stats.quota_evictions == (16 - 5) + (16 - 8)

@@ -140,7 +140,7 @@ def test_the_offline_api_takes_a_master_key_file_and_refuses_a_foreign_one(redis
         dtype="float32", num_device_blocks=32, block_size=4, skip_tokenizer_init=True, remote_cache_url=redis_server.url
     )
     with LLM(str(tmp_path / "m"), kv_master_key_file=str(master), kv_key_check_interval_s=0.5, **kw) as llm:
-        fleet = llm.engine.tiers.fleet_keys
+        fleet = llm.engine.tiers.sealing.fleet_keys
         assert fleet is not None and fleet.check_interval_s == 0.5
         llm.generate([{"prompt_token_ids": list(range(1, 13))}], SamplingParams(max_tokens=1))
         llm.engine.check_integrity()
