@@ -20,6 +20,7 @@ def dynamic_rows_active() -> bool:
 
 
 def set_dynamic_rows(on: bool) -> None:
+    """Turn the row blocks on or off for the steps that follow (AdaptiveTeam, before each step)."""
     global _dynamic_rows
     _dynamic_rows = on
 
