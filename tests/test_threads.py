@@ -162,24 +162,26 @@ def test_the_engine_process_sets_the_wait_policy_before_torch_loads(tmp_path):
         "engine_kwargs": {},
         "log_level": "CRITICAL",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.server.engine_proc"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_clean_env(OMP_DISPLAY_ENV="VERBOSE"),
-    )
-    assert proc.stdin is not None and proc.stderr is not None
+    log = tmp_path / "stderr"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.server.engine_proc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            env=_clean_env(OMP_DISPLAY_ENV="VERBOSE"),
+        )
+    assert proc.stdin is not None
     proc.stdin.write(json.dumps(settings) + "\n")
     proc.stdin.flush()  # stdin stays open: its EOF would tell the engine that the server is gone
     try:
         assert proc.wait(timeout=120) == 1  # the missing model
-        stderr = proc.stderr.read()
     finally:
         proc.stdin.close()
         proc.kill()
         proc.wait()
+    stderr = log.read_text()
     assert _libgomp_read(stderr)["GOMP_SPINCOUNT"] == str(threads.DEFAULT_SPINCOUNT), stderr
 
 
