@@ -1,26 +1,18 @@
 """kvtier: a KV-cache-centric LLM inference engine.
 
 The public names load lazily, so that `import kvtier.kvcache` (the simulator, property tests)
-does not pull in torch.
+does not pull in torch. Importing kvtier changes no environment variable; the first access of
+`kvtier.LLM` (which loads torch) first sets libgomp's barrier wait policy for this process
+(kvtier.threads.wait.apply_wait_policy; a no-op once torch is loaded).
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
-
-# libgomp reads its barrier wait policy when torch loads it: set kvtier's before anything imports
-# torch (kvtier.threads; a policy the user set wins)
-from kvtier.threads import set_wait_policy as _set_wait_policy
-
-try:
-    _set_wait_policy()
-except ValueError as _e:  # a bad KVTIER_OMP_WAIT: say so, keep libgomp's default
-    import warnings
-
-    warnings.warn(f"kvtier: {_e}; using libgomp's default wait policy", stacklevel=1)
 
 _EXPORTS = {
     "LLM": "kvtier.llm",
@@ -36,6 +28,11 @@ __all__ = list(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
+        if name == "LLM" and "torch" not in sys.modules:
+            # an engine is about to be built: libgomp reads its wait policy when torch loads it
+            from kvtier.threads.wait import apply_wait_policy
+
+            apply_wait_policy()
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
         globals()[name] = value
         return value

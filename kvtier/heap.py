@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import logging
 
-from kvtier.threads import env_switch
+from kvtier.threads.env import env_switch
 
 logger = logging.getLogger(__name__)
 

@@ -94,6 +94,97 @@ def test_wait_policy():
     assert set_wait_policy().startswith("torch already loaded") and dict(os.environ) == before
 
 
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any barrier-wait setting (so kvtier would choose one), plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", threads.WAIT_ENV)}
+    env.pop(threads.SPINCOUNT_ENV, None)
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize("module", ["kvtier", "kvtier.kvcache", "kvtier.threads", "kvtier.heap", "kvtier.cli.main"])
+def test_importing_kvtier_changes_no_environment_variable(module):
+    script = f"import os; before = dict(os.environ); import {module}; assert dict(os.environ) == before, set(os.environ.items()) ^ set(before.items())"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=_clean_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _libgomp_read(stderr: str) -> dict[str, str]:
+    """What libgomp read at load (its OMP_DISPLAY_ENV=VERBOSE report)."""
+    out = {}
+    for line in stderr.splitlines():
+        key, sep, value = line.strip().partition(" = ")
+        if sep and key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+            out[key] = value.strip("'")
+    return out
+
+
+_CLI_SCRIPT = """
+from kvtier.cli.main import main
+try:
+    main(["--help"])  # the `kvtier` command's entry; --help exits before any subcommand runs
+except SystemExit:
+    pass
+import torch  # a subcommand building an engine loads torch (and its libgomp) after main began
+"""
+
+
+@pytest.mark.parametrize(
+    ("wait", "spincount"), [(None, str(threads.DEFAULT_SPINCOUNT)), ("passive", "0"), ("sometimes", None)]
+)
+def test_the_cli_sets_the_wait_policy_that_libgomp_reads(wait, spincount):
+    extra = {"OMP_DISPLAY_ENV": "VERBOSE"} | ({threads.WAIT_ENV: wait} if wait else {})
+    plain = subprocess.run(
+        [sys.executable, "-c", "import torch"], capture_output=True, text=True, env=_clean_env(**extra), timeout=120
+    )
+    default = _libgomp_read(plain.stderr)["GOMP_SPINCOUNT"]  # libgomp's own, nothing set
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLI_SCRIPT], capture_output=True, text=True, env=_clean_env(**extra), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    read = _libgomp_read(proc.stderr)
+    if spincount is None:  # a bad KVTIER_OMP_WAIT: a warning that names it, libgomp's default kept
+        assert f"{threads.WAIT_ENV} must be bounded, passive or active" in proc.stderr
+        assert read["GOMP_SPINCOUNT"] == default
+    else:
+        assert read["GOMP_SPINCOUNT"] == spincount != default
+
+
+def test_the_engine_process_sets_the_wait_policy_before_torch_loads(tmp_path):
+    """`python -m kvtier.server.engine_proc` started without `kvtier serve`'s environment: it builds
+    its engine with `from kvtier import LLM`, which sets the policy before torch loads (the engine
+    here fails on a missing model, after torch loaded)."""
+    import json
+
+    settings = {
+        "to_engine": f"ipc://{tmp_path}/to",
+        "from_engine": f"ipc://{tmp_path}/from",
+        "model": str(tmp_path / "no-model"),
+        "engine_kwargs": {},
+        "log_level": "CRITICAL",
+    }
+    log = tmp_path / "stderr"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.server.engine_proc"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+            env=_clean_env(OMP_DISPLAY_ENV="VERBOSE"),
+        )
+    assert proc.stdin is not None
+    proc.stdin.write(json.dumps(settings) + "\n")
+    proc.stdin.flush()  # stdin stays open: its EOF would tell the engine that the server is gone
+    try:
+        assert proc.wait(timeout=120) == 1  # the missing model
+    finally:
+        proc.stdin.close()
+        proc.kill()
+        proc.wait()
+    stderr = log.read_text()
+    assert _libgomp_read(stderr)["GOMP_SPINCOUNT"] == str(threads.DEFAULT_SPINCOUNT), stderr
+
+
 _PIN_SCRIPT = r"""
 import json, os, threading
 import kvtier
@@ -128,7 +219,9 @@ def test_compute_threads_are_pinned_one_per_cpu():
 
 
 def test_helper_threads_leave_the_compute_cpus(monkeypatch):
-    monkeypatch.setattr(threads, "_plan", ThreadPlan(1, (0,), (0, 1), "test"))
+    from kvtier.threads import binding
+
+    monkeypatch.setattr(binding, "_plan", ThreadPlan(1, (0,), (0, 1), "test"))
     assert threads.io_cpus() == (0, 1)
 
 

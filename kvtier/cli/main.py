@@ -16,6 +16,7 @@ from typing import Any
 from kvtier.cli import analyze, bench, cache, convert, demo, eval_kv, generate, serve, simulate
 from kvtier.cli.args import parse_size
 from kvtier.cli.engine_args import ENGINE_KEYS, KV_CACHE_DTYPES, TIER_KEYS, add_engine_args, engine_kwargs
+from kvtier.threads.wait import apply_wait_policy
 
 # re-exported: tests (and older callers) import these from here
 __all__ = [
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # before any subcommand imports torch: libgomp reads its barrier wait policy when torch loads
+    # it (this process and the ones it starts, `kvtier serve`'s engine process among them)
+    apply_wait_policy()
     parser = build_parser()
     args = parser.parse_args(argv)
     args.engine_kwargs = engine_kwargs(args, args.subparser)

@@ -111,14 +111,14 @@ def test_every_method_agrees_with_float32_rounded_once(bias, rows):
 def test_dynamic_row_blocks_give_what_one_call_gives(bias, rows, mode, monkeypatch):
     """Under contention big packed GEMMs run as row blocks on a dynamic schedule
     (kvtier.threads.run_dynamic); each block is the same oneDNN GEMM, so the rows are the same."""
-    from kvtier import threads
+    from kvtier.threads import dynamic
 
     layer, g = _layer(96, 160, bias)
     layer.pack(keep_weight=False)
     x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
     with torch.inference_mode() if mode == "inference" else torch.no_grad():
         want = layer(x)
-        monkeypatch.setattr(threads, "_dynamic_rows", True)
+        monkeypatch.setattr(dynamic, "_dynamic_rows", True)  # the flag linear.py reads
         got = layer(x)
         small = layer(x[:300])  # below DYNAMIC_MIN_ROWS: one call
         direct = linear.linear_packed_dynamic(x, layer.packed_weight, layer.bias, 160)
