@@ -98,6 +98,9 @@ def engine_main() -> int:
 
     threading.Thread(target=watch_parent, name="kvtier-parent-watch", daemon=True).start()
     try:
+        from kvtier.threads.wait import apply_wait_policy
+
+        apply_wait_policy()  # before kvtier.llm loads torch (and libgomp reads the policy)
         from kvtier.llm import LLM
 
         core = LLM(settings["model"], **settings["engine_kwargs"]).engine
