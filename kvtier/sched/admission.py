@@ -5,8 +5,9 @@ load from the tiers below instead of recomputing them.
             touched (host entries      restore the first k (CostModel.decide),
             refreshed)                 recompute the rest
 
-`Scheduler._try_restore` and the simulator (`TraceSimulator`) both call `plan_restore`, so a
-simulated decision is the engine's. Pure bookkeeping: no torch, no I/O (the tiers' local
+`Scheduler._try_restore`, the simulator (`TraceSimulator`) and the vLLM connector's scheduler
+side (kvtier/integrations/vllm/scheduler.py) all call `plan_restore`, so a simulated or a vLLM
+decision is the engine's; their `runs` all come from `stored_runs` (kvtier/tiers/runs.py). Pure bookkeeping: no torch, no I/O (the tiers' local
 indexes answer `runs`).
 """
 
@@ -25,7 +26,8 @@ class _RestorePolicy(Protocol):
 
 
 class StoredBlocks(Protocol):
-    """What `plan_restore` asks of the tiers below the device (a TierHierarchy)."""
+    """What `plan_restore` asks of the tiers below the device (a TierHierarchy, or the vLLM
+    connector's view of its workers' tiers, kvtier/integrations/vllm/lookup.py)."""
 
     cost: CostModel
 

@@ -45,6 +45,7 @@ from kvtier.tiers.owners import (
     DEFAULT_OWNER,  # noqa: F401 - re-exported from here, its former home
     owner_id,  # also re-exported from here, its former home
 )
+from kvtier.tiers.runs import stored_runs
 from kvtier.tiers.sealing import Sealing
 from kvtier.tiers.tenants import TenantAdmin
 
@@ -292,28 +293,12 @@ class TierHierarchy:
         return n
 
     def runs(self, keys: list[bytes], start: int, remote_prefix: int = 0, count: bool = True) -> list[TierRun]:
-        """Stored blocks from keys[start]: consecutive runs, each in the fastest tier holding it.
-        `count=False` for a lookup that repeats one already counted (see contains_prefix)."""
-        runs: list[TierRun] = []
-        p = start
-        for _ in range(16):
-            if p >= len(keys):
-                break
-            n, found = 0, ""
-            for name in ("host", "disk"):
-                tier = self.tiers.get(name)
-                if tier is not None:
-                    n = tier.contains_prefix(keys[p:], count=count)
-                    if n:
-                        found = name
-                        break
-            if not n and remote_prefix > p:
-                n, found = remote_prefix - p, "remote"
-            if not n:
-                break
-            runs.append(TierRun(found, n))
-            p += n
-        return runs
+        """Stored blocks from keys[start]: consecutive runs, each in the fastest tier holding it
+        (`stored_runs`, kvtier/tiers/runs.py: the one lookup the engine, the simulator and the
+        vLLM connector share). `count=False` for a lookup that repeats one already counted
+        (see contains_prefix)."""
+        local = [(name, self.tiers[name]) for name in ("host", "disk") if name in self.tiers]
+        return stored_runs(local, keys, start, remote_prefix, count)
 
     def touch(self, keys: list[bytes]) -> None:
         """A device hit on `keys` (a prefix): refresh their host entries, head of the prefix

@@ -50,7 +50,43 @@ def main() -> None:
     m2 = kv.KVTierWorkerMeta(1, [b"k" * 16], [], [], {"host": (1e9, 0.02)}, {"r": 3})
     m = m1.aggregate(m2)
     out["meta"] = [m.rank_reports, len(m.host_added), m.speeds["host"], m.loaded["r"]]
+    out["lookup"] = _lookup_as_hierarchy()
     print(json.dumps(out))
+
+
+def _lookup_as_hierarchy() -> list:
+    """The scheduler process's view of a worker's tiers (a host mirror fed by the host tier's
+    watch, the disk tier's files) finds the runs TierHierarchy.runs finds in the tiers."""
+    import tempfile
+
+    import torch
+
+    from kvtier.cost.model import CostModel
+    from kvtier.integrations.vllm.keys import KeyChains, rank_fingerprint
+    from kvtier.integrations.vllm.lookup import WorkerTiers
+    from kvtier.tiers.hierarchy import TierConfig, TierHierarchy
+
+    bs, fp = 4, b"f" * 16
+    keys = KeyChains(fp, bs).extend([], list(range(100, 132)), None, 8)
+    blocks = [torch.full((2, 4, 8), float(i)) for i in range(6)]
+    block_bytes = blocks[0].numel() * blocks[0].element_size()
+    with tempfile.TemporaryDirectory() as d:
+        config = TierConfig(host_cache_bytes=2 * block_bytes, disk_cache_dir=d)
+        view = WorkerTiers(config, CostModel(["host", "disk"], block_bytes, bs), [rank_fingerprint(fp, 0)], 0.005)
+        tiers = TierHierarchy(config, fingerprint=rank_fingerprint(fp, 0), block_bytes=block_bytes, block_size=bs)
+        tiers.tiers["host"].watch = lambda key, present: view.host.update([key] * present, [key] * (not present))
+        tiers.store(keys[:6], blocks)  # the host tier has room for two, the disk tier holds all six
+        tiers.flush()
+        out = []
+        for start, remote_prefix in ((0, 0), (0, 8), (4, 0), (4, 7), (6, 8)):
+            mine = view.runs(keys, start, remote_prefix)
+            theirs = tiers.runs(keys, start, remote_prefix, count=False)
+            out.append([[r.tier, r.num_blocks] for r in mine] == [[r.tier, r.num_blocks] for r in theirs])
+            out.append([[r.tier, r.num_blocks] for r in mine])
+        out.append([view.stored_locally(k) for k in keys])
+        tiers.close()
+        view.close()
+    return out
 
 
 if __name__ == "__main__":

@@ -296,6 +296,17 @@ def test_connector_configuration_errors_and_helpers():
     assert out["axis_cpu"] == 0 and out["axis_kv_first"] == 1
     assert out["stats"] == {"hit_tokens": 384, "restore_p50_ms": 4.0, "restore_max_ms": 4.0}
     assert out["meta"] == [2, 2, [1e9, 0.02], 3]
+    # the scheduler's view of the workers' tiers finds the runs TierHierarchy.runs finds
+    same, runs = out["lookup"][0:10:2], out["lookup"][1:10:2]
+    assert same == [True] * 5
+    assert runs == [
+        [["host", 2], ["disk", 4]],
+        [["host", 2], ["disk", 4], ["remote", 2]],
+        [["disk", 2]],
+        [["disk", 2], ["remote", 1]],
+        [["remote", 2]],
+    ]
+    assert out["lookup"][10] == [True] * 6 + [False] * 2
 
 
 def _word_tokenizer(model_dir: Path, vocab_size: int = 512) -> None:
