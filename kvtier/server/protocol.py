@@ -354,6 +354,15 @@ class _SamplingFields(_Strict):
             raise APIError(f"{found[0][1]} and {found[1][1]} both constrain the output; give one", param=found[1][1])
         return found[0] if found else (None, None)
 
+    @property
+    def bad_words_ids(self) -> list[list[int]] | None:
+        """`bad_words` tokenized by the server (`tokenize_bad_words`), or None."""
+        return self._bad_words_ids
+
+    @bad_words_ids.setter
+    def bad_words_ids(self, ids: list[list[int]] | None) -> None:
+        self._bad_words_ids = ids
+
     def ignored_fields(self) -> list[str]:
         """The body's fields this model does not know (misspelt or not implemented), less the
         known-neutral ones (KNOWN_NEUTRAL_FIELDS)."""

@@ -656,7 +656,7 @@ class OpenAIServing:
 
             if any(not w.strip() for w in req.bad_words):
                 raise APIError("bad_words must be a list of non-empty strings", param="bad_words")
-            req._bad_words_ids = tokenize_bad_words(
+            req.bad_words_ids = tokenize_bad_words(
                 req.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)
             )
 
@@ -726,7 +726,7 @@ class OpenAIServing:
                 logit_bias=req.token_logit_bias(),
                 allowed_token_ids=req.allowed_token_ids,
                 bad_words=req.bad_words,
-                bad_words_token_ids=req._bad_words_ids,
+                bad_words_token_ids=req.bad_words_ids,
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
                 prompt_logprobs=req.prompt_logprobs,
                 structured_outputs=structured,
