@@ -17,6 +17,21 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 4
 NUM_DEVICE_BLOCKS = 128
 MAX_MODEL_LEN = 256
+# The two engine clients of `kvtier serve`: the engine core in its own process (the default) and
+# in a thread of the server (--engine-in-process). conftest.py's `engine_mode` fixture runs the
+# server tests against both.
+ENGINE_MODES = ("process", "in-process")
+IN_PROCESS_FLAG = "--engine-in-process"
+
+
+def engine_mode_flags(engine_mode: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags` for a server in `engine_mode`: --engine-in-process added once for "in-process"
+    (never doubled when the caller passed it already)."""
+    if engine_mode not in ENGINE_MODES:
+        raise ValueError(f"engine_mode must be one of {ENGINE_MODES}, not {engine_mode!r}")
+    if engine_mode == "in-process" and IN_PROCESS_FLAG not in flags:
+        return (*flags, IN_PROCESS_FLAG)
+    return flags
 
 
 def free_port() -> int:
@@ -30,6 +45,7 @@ class Server:
     url: str
     proc: subprocess.Popen
     log_path: Path
+    engine_mode: str = "process"  # "in-process" when started with --engine-in-process
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -52,7 +68,12 @@ class Server:
         )
 
 
-def start_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: float = 120.0) -> Server:
+def start_server(
+    model_dir: Path, log_dir: Path, *flags: str, engine_mode: str = "process", ready_timeout_s: float = 120.0
+) -> Server:
+    """`kvtier serve` over `model_dir` with `flags`, its engine in `engine_mode` (see
+    ENGINE_MODES; --engine-in-process among `flags` also means "in-process"), once healthy."""
+    flags = engine_mode_flags(engine_mode, flags)
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -81,7 +102,8 @@ def start_server(model_dir: Path, log_dir: Path, *flags: str, ready_timeout_s: f
         cmd += ["--num-device-blocks", str(NUM_DEVICE_BLOCKS)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    mode = "in-process" if IN_PROCESS_FLAG in flags else "process"
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path, mode)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

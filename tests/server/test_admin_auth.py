@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from serverutil import engine_mode_flags
 
 PROMPT = "An anonymous caller must not be able to wipe this shared cache. " * 2
 ADMIN_KEY = "adm-0123456789abcdef-secret"
@@ -94,14 +95,22 @@ def test_api_key_modes_for_models_and_metrics(serve, admin_key_file, tmp_path):
     assert ok.status_code == 200 and ok.json()["ok"] is True
 
 
-def test_bad_admin_key_file_is_a_clear_error(server_model_dir, tmp_path):
+def test_bad_admin_key_file_is_a_clear_error(server_model_dir, tmp_path, engine_mode):
     import subprocess
     import sys
 
     short = tmp_path / "admin.key"
     short.write_text("short")
     p = subprocess.run(
-        [sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir), "--admin-key-file", str(short)],
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--model",
+            str(server_model_dir),
+            *engine_mode_flags(engine_mode, ("--admin-key-file", str(short))),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -92,6 +92,7 @@ def test_non_streaming_client_timeout_aborts(serve, stalled_redis):
     wait_until_idle_clean(server)
 
 
+@pytest.mark.engine_modes("process")  # a load test, 14 s a mode: the default mode only (conftest.py)
 def test_concurrent_streaming_clients(serve):
     """16 streaming clients for ~10 s against a device pool that cannot hold them all, over a
     small host tier (evicted prefixes come back from it while others are aborted)."""

@@ -14,6 +14,9 @@ import pytest
 
 pytest.importorskip("cryptography")
 redis = pytest.importorskip("redis")
+# 8-14 s a test a mode (two servers and Redis each): the default mode only (conftest.py); the
+# purge of an instance's own copies runs in both modes in test_purge*.py
+pytestmark = pytest.mark.engine_modes("process")
 
 PROMPT = "A fleet-wide tenant document, served by whichever instance the balancer picks. " * 2
 

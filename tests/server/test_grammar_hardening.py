@@ -200,6 +200,7 @@ def test_offline_refuses_what_the_server_refuses(llm):
         )
 
 
+@pytest.mark.engine_modes("in-process")  # a fresh in-process server, its decode errors counted from 0
 def test_engine_in_process_validates_in_the_server_too(serve):
     s = serve("--engine-in-process")
     r = _chat(s, guided_grammar='root ::= "a" root')

@@ -91,9 +91,9 @@ def raw_body(path: str, fragment: dict[str, Any], literal: str) -> bytes:
     return text.replace(f'"{V}"', literal).encode()
 
 
-@pytest.fixture(scope="module", params=["engine-process", "in-process"])
-def server(request, serve):
-    s = serve("--max-body-bytes", "8MiB", *(["--engine-in-process"] if request.param == "in-process" else []))
+@pytest.fixture(scope="module")
+def server(serve):  # in each engine mode (conftest's engine_mode)
+    s = serve("--max-body-bytes", "8MiB")
     yield s
     # nothing lost: after the barrage a valid request is served and every block is free again
     r = httpx.post(s.url + CMPL, json={**BASE[CMPL], "max_tokens": 4, "ignore_eos": True}, timeout=60)

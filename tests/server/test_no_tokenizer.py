@@ -11,7 +11,7 @@ GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def bare_server(tmp_path_factory):
+def bare_server(tmp_path_factory, engine_mode):
     from kvtier.model.builder import build_random_llama
 
     d = tmp_path_factory.mktemp("bare_model")
@@ -29,7 +29,7 @@ def bare_server(tmp_path_factory):
         eos_token_id=2,
     )
     assert not (d / "tokenizer.json").exists()
-    s = start_server(d, tmp_path_factory.mktemp("bare_logs"))
+    s = start_server(d, tmp_path_factory.mktemp("bare_logs"), engine_mode=engine_mode)
     yield s
     stop_server(s)
     assert "Traceback" not in s.log(), s.log()

@@ -45,14 +45,14 @@ def long_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def start(long_model_dir, tmp_path_factory):
+def start(long_model_dir, tmp_path_factory, engine_mode):
     from serverutil import stop_server
 
     started = []
     logs = tmp_path_factory.mktemp("inflight_logs")
 
     def _start(*flags: str):
-        s = start_server(long_model_dir, logs, *flags)
+        s = start_server(long_model_dir, logs, *flags, engine_mode=engine_mode)
         started.append(s)
         return s
 

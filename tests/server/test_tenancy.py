@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from serverutil import engine_mode_flags
 
 PROMPT = "A long shared prompt that both tenants send, word for word, to the same server. " * 3
 
@@ -88,14 +89,22 @@ def test_request_log_has_tokens_and_tenant_hash_but_no_text(tenant_server):
     assert len(tenants) >= 2
 
 
-def test_bad_key_file_is_a_clear_error(server_model_dir, tmp_path):
+def test_bad_key_file_is_a_clear_error(server_model_dir, tmp_path, engine_mode):
     import subprocess
     import sys
 
     bad = tmp_path / "keys.json"
     bad.write_text("{not json")
     p = subprocess.run(
-        [sys.executable, "-m", "kvtier", "serve", "--model", str(server_model_dir), "--api-keys", str(bad)],
+        [
+            sys.executable,
+            "-m",
+            "kvtier",
+            "serve",
+            "--model",
+            str(server_model_dir),
+            *engine_mode_flags(engine_mode, ("--api-keys", str(bad))),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

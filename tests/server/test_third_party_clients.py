@@ -155,6 +155,8 @@ metric_list:
 """
 
 
+# 10-16 s a mode; the echo + logprobs path it drives runs in both modes in test_vllm_extras.py
+@pytest.mark.engine_modes("process")
 def test_lm_eval_local_completions_loglikelihood(server, server_model_dir, tmp_path):
     """lm-eval's local-completions sends `echo: true, logprobs: 1, max_tokens: 1` and reads the
     prompt's token logprobs back; its remote tokenizer reads /tokenizer_info and /tokenize.
