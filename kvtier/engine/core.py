@@ -26,6 +26,7 @@ from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
 from kvtier.engine.input import check_max_tokens, check_prompt_fits, truncate_prompt
 from kvtier.engine.tenants import EngineTenants
+from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample, top_logprobs
@@ -92,7 +93,8 @@ class _Group:
     finish: list[str | None] = field(default_factory=list)
     stop_reasons: list[int | str | None] = field(default_factory=list)
     num_preemptions: int = 0
-    tenant: str | None = None
+    tenancy: Tenancy = ANONYMOUS
+    """Who the request belongs to (kvtier.identity): every sequence's, its blocks' owner."""
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """Filled position by position as the prompt is computed (SamplingParams.prompt_logprobs)."""
     matchers: list[Any] = field(default_factory=list)
@@ -208,7 +210,15 @@ class EngineCore:
         prompt: str | None = None,
         arrival_time: float | None = None,
         tenant: str | None = None,
+        tenancy: Tenancy | None = None,
     ) -> str:
+        """Add a request; its id. `tenancy`: who it belongs to, as the engine loop receives it
+        from the server (kvtier.identity); or, offline and in tests, `tenant` and `cache_salt`,
+        made into one here (not both ways at once)."""
+        if tenancy is None:
+            tenancy = Tenancy.of(tenant, cache_salt)
+        elif tenant is not None or cache_salt is not None:
+            raise ValueError("give either tenancy or tenant/cache_salt, not both")
         params = params or SamplingParams()
         params.validate()
         ids = self._check_prompt(truncate_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.max_model_len))
@@ -222,8 +232,6 @@ class EngineCore:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError("cache_salt must be a string")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matcher = (
             self._grammar_compiler().matcher(params.structured_outputs)
@@ -231,10 +239,10 @@ class EngineCore:
             else None
         )
         group = _Group(request_id, prompt, ids, params, arrival)
-        group.tenant = tenant
+        group.tenancy = tenancy
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
-        req = self._new_seq(group, 0, ids, cache_salt, priority, arrival)
+        req = self._new_seq(group, 0, ids, priority, arrival)
         group.matchers[0] = matcher
         if self.tiers is not None and self.tiers.has_remote:
             bs = self.kv.block_size
@@ -288,7 +296,6 @@ class EngineCore:
         group: _Group,
         index: int,
         tokens: list[int],
-        cache_salt: str | None,
         priority: int,
         arrival: float,
         parent_id: str | None = None,
@@ -299,16 +306,15 @@ class EngineCore:
             req_id=req_id,
             prompt_token_ids=group.prompt_token_ids,
             sampling=sp,
-            root_key=root_key(self.runner.fingerprint, cache_salt),
+            root_key=root_key(self.runner.fingerprint, group.tenancy.cache_salt),
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             priority=priority,
             arrival_time=arrival,
-            cache_salt=cache_salt,
             parent_id=parent_id,
             sample_index=index,
             all_token_ids=list(tokens),
-            tenant=group.tenant,
+            tenancy=group.tenancy,
         )
         if sp.seed is not None:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
@@ -545,7 +551,7 @@ class EngineCore:
     def abort_tenant(self, tenant: str | None) -> list[RequestOutput]:
         """Abort every unfinished request of `tenant` (waiting, loading or running); their
         final outputs (finish_reason "abort"). The first step of a purge."""
-        return self._abort_groups([rid for rid, g in self._groups.items() if g.tenant == tenant])
+        return self._abort_groups([rid for rid, g in self._groups.items() if g.tenancy.tenant == tenant])
 
     def abort_all(self) -> list[RequestOutput]:
         """Abort every unfinished request; their final outputs."""
@@ -658,7 +664,6 @@ class EngineCore:
                 group,
                 i,
                 list(parent.prompt_token_ids),
-                parent.cache_salt,
                 parent.priority,
                 group.arrival_time,
                 parent_id=parent.req_id,

@@ -191,7 +191,7 @@ class EngineLoop:
         added: list[str] = []
         try:
             if admin.checks_keys:  # fleet keys: see a purge made elsewhere first
-                admin.refresh_keys({r.tenant for r in batch.requests})
+                admin.refresh_keys({r.tenancy.tenant for r in batch.requests})
                 self._apply_revocations()
             for r in batch.requests:
                 added.append(
@@ -199,10 +199,9 @@ class EngineLoop:
                         r.prompt_token_ids,
                         r.params,
                         request_id=r.request_id,
-                        cache_salt=r.cache_salt,
                         priority=r.priority,
                         prompt=r.prompt,
-                        tenant=r.tenant,
+                        tenancy=r.tenancy,
                         arrival_time=min(r.arrival_time, time.monotonic()),
                     )
                 )

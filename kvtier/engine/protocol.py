@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from kvtier.engine.admin import EngineStats
+from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.sampling_params import SamplingParams
 
 LogprobEntry = dict[int, tuple[float, int | None]]
@@ -32,10 +33,11 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add_request"):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache_salt: str | None = None
+    tenancy: Tenancy = ANONYMOUS
+    """Who the request belongs to: tenant, effective cache salt, owner id (kvtier.identity),
+    built once by the server; one field, so the two never travel apart."""
     priority: int = 0
     prompt: str | None = None
-    tenant: str | None = None
     arrival_time: float = msgspec.field(default_factory=time.monotonic)
     """When the server took the request (time.monotonic, one clock for every process on the
     machine): TTFT and queue time count from here, including a wait for the engine's current

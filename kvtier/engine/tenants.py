@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from kvtier.identity import tenant_of
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.kvcache.prefix_index import CachedBlock
 
@@ -75,8 +76,11 @@ class EngineTenants:
         the tier part on the admin worker; see TenantAdmin.begin_purge."""
         if self.tiers is not None:
             self._store_blocks()
-        removed = self._evict_cached(lambda n: n.owner == tenant)
-        counts = {"device": removed, "device_in_use": sum(1 for n in self.kv.index.nodes() if n.owner == tenant)}
+        removed = self._evict_cached(lambda n: tenant_of(n.owner) == tenant)
+        counts = {
+            "device": removed,
+            "device_in_use": sum(1 for n in self.kv.index.nodes() if tenant_of(n.owner) == tenant),
+        }
         future = self.admin.begin_purge(tenant, everywhere) if self.admin is not None else None
         return counts, future
 
@@ -151,7 +155,7 @@ class EngineTenants:
     # ------------------------------------------------------------------ usage
     def device_usage(self, tenant: str | None) -> dict[str, int]:
         """The tenant's cached device blocks (referenced or not) and their bytes."""
-        n = sum(1 for node in self.kv.index.nodes() if node.owner == tenant)
+        n = sum(1 for node in self.kv.index.nodes() if tenant_of(node.owner) == tenant)
         return {"blocks": n, "bytes": n * self.block_bytes}
 
     def usage(self, tenant: str | None) -> dict[str, dict[str, int]]:
@@ -164,7 +168,7 @@ class EngineTenants:
 
 def _cached_before(tenant: str | None, cut: float) -> Callable[[CachedBlock], bool]:
     """Selects `tenant`'s blocks cached before time.monotonic() `cut`."""
-    return lambda node: node.owner == tenant and node.created < cut
+    return lambda node: tenant_of(node.owner) == tenant and node.created < cut
 
 
 def _settled(counts: dict[str, Any], future: Future | None) -> dict[str, Any]:

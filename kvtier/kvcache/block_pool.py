@@ -20,10 +20,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.kvcache.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from kvtier.identity import Tenancy
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -139,7 +142,7 @@ class BlockPool:
         parent: BlockKey,
         tokens: Sequence[int] | None,
         is_first: bool,
-        owner: str | None = None,
+        owner: Tenancy | None = None,
     ) -> bool:
         """Register an in-use, full block under `key`. False if the key was cached already
         (the block then stays an ordinary uncached block) or the parent is gone."""
@@ -240,8 +243,8 @@ class BlockToStore:
 
     block_id: int
     key: BlockKey
-    owner: str | None
-    """The tenant the block belongs to (tiers encrypt with its key)."""
+    owner: Tenancy | None
+    """The tenancy the block belongs to (kvtier.identity; tiers encrypt with its tenant's key)."""
 
 
 @dataclass(slots=True)

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtier.kvcache.block_pool import BlockCopy, BlockLoad, BlockPool, BlockToStore
 from kvtier.kvcache.keys import BlockKey, block_key
 from kvtier.kvcache.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from kvtier.identity import Tenancy
 
 
 def cdiv(a: int, b: int) -> int:
@@ -50,8 +54,8 @@ class _ReqBlocks:
     """Chained keys of the request's leading full blocks that were computed (or hit)."""
     num_registered: int
     """Leading blocks known to be in the index (this request's block or an equal one)."""
-    owner: str | None = None
-    """The tenant the blocks this request computes belong to."""
+    owner: Tenancy | None = None
+    """The tenancy the blocks this request computes belong to (kvtier.identity)."""
 
 
 @dataclass
@@ -182,7 +186,7 @@ class KVCacheManager:
         root: BlockKey,
         match: PrefixMatch,
         num_new_tokens: int,
-        owner: str | None = None,
+        owner: Tenancy | None = None,
     ) -> bool:
         """Admit a request: reference its cached prefix, lock a partial-copy source and take
         blocks for `num_new_tokens` more tokens. All or nothing; False if the pool is short."""
@@ -328,7 +332,7 @@ class KVCacheManager:
         root: BlockKey,
         match: PrefixMatch,
         restore_keys: list[BlockKey],
-        owner: str | None = None,
+        owner: Tenancy | None = None,
     ) -> bool:
         """Admit a request whose next `len(restore_keys)` blocks will be loaded from a tier:
         reference its device prefix (full blocks only) and take blocks for the restore."""

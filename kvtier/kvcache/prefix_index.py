@@ -22,9 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.kvcache.policy import EvictionPolicy, make_policy
+
+if TYPE_CHECKING:
+    from kvtier.identity import Tenancy
 
 
 @dataclass(slots=True)
@@ -42,8 +46,9 @@ class CachedBlock:
     """The block is referenced (set by the pool through set_in_use / set_evictable)."""
     num_held_children: int = 0
     """Children that are in use or have a descendant in use; > 0 pins an unreferenced node."""
-    owner: str | None = None
-    """The tenant whose request computed the block (tiers encrypt with its key)."""
+    owner: Tenancy | None = None
+    """The tenancy of the request that computed the block (kvtier.identity; the tiers fence and
+    record it by its owner id and encrypt it with its tenant's key)."""
     created: float = 0.0
     """time.monotonic() when it was cached (per-tenant TTLs)."""
 
@@ -144,7 +149,7 @@ class PrefixIndex:
         block_id: int,
         tokens: Sequence[int] | None,
         is_first: bool,
-        owner: str | None = None,
+        owner: Tenancy | None = None,
     ) -> CachedBlock | None:
         """Cache the in-use block `block_id` under `key`. Returns None if the key is already
         cached (the caller keeps its block uncached) or if the parent is not cached (it would

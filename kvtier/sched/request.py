@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.kvcache.keys import BlockKey
 from kvtier.sampling_params import SamplingParams
 
@@ -51,9 +52,10 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0
-    cache_salt: str | None = None
-    tenant: str | None = None
-    """Who the request's KV belongs to (tiers encrypt it with this tenant's key)."""
+    tenancy: Tenancy = ANONYMOUS
+    """Who the request belongs to (kvtier.identity): its KV's owner (tiers fence and record
+    it under the precomputed owner id, and encrypt it with the tenant's key); its root key was
+    made from the tenancy's cache salt."""
     parent_id: str | None = None
     """Set on the n-1 extra samples of an n > 1 request; they start by forking the parent."""
     sample_index: int = 0

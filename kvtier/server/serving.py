@@ -774,16 +774,15 @@ class OpenAIServing:
         tenant: Tenant,
         prompt_param: str = "prompt",
     ) -> list[RequestStream]:
-        salt = tenant.effective_salt(req.cache_salt)
+        tenancy = tenant.tenancy(req.cache_salt)
         specs = [
             RequestSpec(
                 f"{request_id}-{p}",
                 ids,
                 dataclasses.replace(sp),
-                cache_salt=salt,
+                tenancy=tenancy,
                 priority=req.priority,
                 prompt=text,
-                tenant=tenant.name,
             )
             for p, ((text, ids), sp) in enumerate(zip(prompts, params))
         ]

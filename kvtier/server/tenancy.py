@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.identity import Tenancy
+
 
 @dataclass(frozen=True)
 class Tenant:
@@ -34,6 +36,11 @@ class Tenant:
         if request_salt is None:
             return self.cache_salt
         return f"{self.cache_salt}\x00{request_salt}"
+
+    def tenancy(self, request_salt: str | None) -> Tenancy:
+        """What one of this tenant's requests carries across the engine boundary: its name, the
+        effective salt (`effective_salt`) and its owner id, made once here (kvtier.identity)."""
+        return Tenancy.of(self.name, self.effective_salt(request_salt))
 
 
 DEFAULT_TENANT = Tenant("default", None)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
+from kvtier.identity import Tenancy
 from kvtier.tiers.base import Tier
 from kvtier.tiers.hierarchy import TierHierarchy
 from kvtier.tiers.lru import ByteLRU
@@ -199,8 +200,8 @@ class SimHierarchy(TierHierarchy):
         super().__init__(*args, **kwargs)
         self._frame = _Frame(frame_bytes)
 
-    def _encode(self, kv: Any, key: bytes, owner: str | None) -> Any:
+    def _encode(self, kv: Any, key: bytes, owner: Tenancy) -> Any:
         return self._frame
 
-    def _decode(self, tier: Any, data: Any, key: bytes, owner: str | None) -> Any | None:
+    def _decode(self, tier: Any, data: Any, key: bytes, owner: Tenancy) -> Any | None:
         return PAYLOAD

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,7 @@ from typing import Any
 
 from kvtier import threads
 from kvtier.cost.model import CostModel, TierRun
+from kvtier.identity import ANONYMOUS, Owner, Tenancy, as_tenancy
 from kvtier.tiers.base import TierStats
 from kvtier.tiers.crypto import KeyDestroyedError
 from kvtier.tiers.faults import FaultConfig
@@ -43,7 +45,7 @@ from kvtier.tiers.host import HostEntry, HostTier
 from kvtier.tiers.keyring import KeyringError
 from kvtier.tiers.owners import (
     DEFAULT_OWNER,  # noqa: F401 - re-exported from here, its former home
-    owner_id,  # also re-exported from here, its former home
+    owner_id,  # noqa: F401 - also re-exported from here, its former home
 )
 from kvtier.tiers.runs import stored_runs
 from kvtier.tiers.sealing import Sealing
@@ -310,18 +312,20 @@ class TierHierarchy:
             host.touch(reversed(keys))
 
     # ------------------------------------------------------------------ load
-    def _encode(self, kv: Any, key: bytes, owner: str | None) -> bytes:
+    def _encode(self, kv: Any, key: bytes, owner: Tenancy) -> bytes:
         """The frame a disk or remote tier stores for one block (Sealing.seal; the simulator
         overrides it)."""
-        return self.sealing.seal(kv, key, owner)
+        return self.sealing.seal(kv, key, owner.tenant)
 
-    def _decode(self, tier: Any, data: bytes, key: bytes, owner: str | None) -> Any | None:
+    def _decode(self, tier: Any, data: bytes, key: bytes, owner: Tenancy) -> Any | None:
         """A frame's KV, or None (reported to `tier` as corrupt) when it does not decode
         (Sealing.unseal; the simulator overrides it)."""
-        return self.sealing.unseal(tier, data, key, owner)
+        return self.sealing.unseal(tier, data, key, owner.tenant)
 
-    def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: str | None = None) -> Future:
-        """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult."""
+    def submit_load(self, keys: list[bytes], runs: list[TierRun], owner: Owner = None) -> Future:
+        """Read the blocks of `runs` (in order) for `keys`; the result is a LoadResult.
+        `owner`: the request's Tenancy (its owner id fences the load), or a tenant's name."""
+        tenancy = as_tenancy(owner)
         plan: list[str] = []
         for run in runs:
             plan += [run.tier] * run.num_blocks
@@ -330,14 +334,14 @@ class TierHierarchy:
             for name in set(plan):
                 self._inflight[name] += 1
             self._update_queue_estimates()
-        stamp = self.fence.stamp(owner_id(owner))
-        return self._pool.submit(self._fenced_load, keys, plan, time.perf_counter(), owner, stamp)
+        stamp = self.fence.stamp(tenancy.owner_id)
+        return self._pool.submit(self._fenced_load, keys, plan, time.perf_counter(), tenancy, stamp)
 
     def _fenced_load(
-        self, keys: list[bytes], plan: list[str], submitted: float, owner: str | None, stamp: Stamp
+        self, keys: list[bytes], plan: list[str], submitted: float, owner: Tenancy, stamp: Stamp
     ) -> LoadResult:
         """A load of a tenant purged since it was queued (or being purged) loads nothing."""
-        with self.fence.enter(owner_id(owner), stamp) as ok:
+        with self.fence.enter(owner.owner_id, stamp) as ok:
             if ok:
                 return self._load(keys, plan, submitted, owner, stamp)
         with self._lock:
@@ -351,11 +355,12 @@ class TierHierarchy:
         keys: list[bytes],
         plan: list[str],
         submitted: float,
-        owner: str | None = None,
+        owner: Owner = None,
         stamp: Stamp | None = None,
     ) -> LoadResult:
         t_start = time.perf_counter()
-        stamp = stamp if stamp is not None else self.fence.stamp(owner_id(owner))
+        owner = as_tenancy(owner)
+        stamp = stamp if stamp is not None else self.fence.stamp(owner.owner_id)
         out: list[Any] = []
         per_tier: dict[str, int] = {}
         tier_time: dict[str, float] = {}
@@ -408,24 +413,25 @@ class TierHierarchy:
             self.cost.queue_s[name] = self._inflight[name] * job / workers
 
     # ------------------------------------------------------------------ store
-    def store(self, keys: list[bytes], tensors: list[Any], owners: list[str | None] | None = None) -> None:
+    def store(self, keys: list[bytes], tensors: list[Any], owners: Sequence[Owner] | None = None) -> None:
         """Write computed blocks down: host now (a reference), disk/remote in the background.
-        `owners`: each block's tenant (its data key encrypts the block on disk and remote)."""
-        owners = owners if owners is not None else [None] * len(keys)
+        `owners`: each block's Tenancy, its owner id precomputed (or a tenant's name); the
+        tenant's data key encrypts the block on disk and remote."""
+        tenancies = [as_tenancy(o) for o in owners] if owners is not None else [ANONYMOUS] * len(keys)
         host = self.tiers.get("host")
         lower: list[str] = [n for n in ("disk", "remote") if n in self.tiers]
         if self.config.cache_write_policy == "write_back" and host is not None:
             lower = []  # host evictions demote them later
         if host is not None:
             # Tail first: a prefix's head ends up most recent, so host evicts tails before heads.
-            for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(owners)):
+            for key, kv, owner in zip(reversed(keys), reversed(tensors), reversed(tenancies)):
                 if key not in host:
-                    entry = HostEntry(kv, owner, time.monotonic(), self.fence.stamp(owner_id(owner)))
+                    entry = HostEntry(kv, owner, time.monotonic(), self.fence.stamp(owner.owner_id))
                     host.put(key, entry, self.block_bytes)
-            for owner in set(owners):
-                self.tenants.enforce_host_quota(owner)
+            for owner in set(tenancies):
+                self.tenants.enforce_host_quota(owner.tenant)
         if lower:
-            self._submit_store(keys, tensors, owners, lower)
+            self._submit_store(keys, tensors, tenancies, lower)
 
     def _on_host_evict(self, key: bytes, entry: HostEntry) -> None:
         if self.config.cache_write_policy != "write_back" or self._closed:
@@ -433,20 +439,20 @@ class TierHierarchy:
         lower: list[str] = [n for n in ("disk", "remote") if n in self.tiers]
         if lower:
             self.stats.demotions += 1
-            self._submit_store([key], [entry.kv], [entry.owner], lower, [entry.stamp])
+            self._submit_store([key], [entry.kv], [as_tenancy(entry.owner)], lower, [entry.stamp])
 
     def _submit_store(
         self,
         keys: list[bytes],
         tensors: list[Any],
-        owners: list[str | None],
+        owners: list[Tenancy],
         names: list[str],
         stamps: list[Stamp] | None = None,
     ) -> None:
         """Queue a store; each block carries its owner's stamp of now (or of when the host
         tier got it, for a demotion), so a purge in between fences it off."""
         if stamps is None:
-            stamps = [self.fence.stamp(owner_id(o)) for o in owners]
+            stamps = [self.fence.stamp(o.owner_id) for o in owners]
         with self._lock:
             if self._pending_stores + len(keys) > self.config.max_pending_stores:
                 self.stats.stores_dropped += len(keys)
@@ -458,17 +464,17 @@ class TierHierarchy:
         self,
         keys: list[bytes],
         tensors: list[Any],
-        owners: list[str | None],
+        owners: list[Tenancy],
         names: list[str],
         stamps: list[Stamp] | None = None,
     ) -> None:
         try:
-            stamps = stamps or [self.fence.stamp(owner_id(o)) for o in owners]
-            groups: dict[tuple[str | None, Stamp], list[int]] = {}
+            stamps = stamps or [self.fence.stamp(o.owner_id) for o in owners]
+            groups: dict[tuple[Tenancy, Stamp], list[int]] = {}
             for i, group in enumerate(zip(owners, stamps)):
                 groups.setdefault(group, []).append(i)
             for (owner, stamp), idx in groups.items():
-                with self.fence.enter(owner_id(owner), stamp) as ok:
+                with self.fence.enter(owner.owner_id, stamp) as ok:
                     if not ok:
                         self.stats.stores_fenced += len(idx)
                         continue
@@ -480,7 +486,7 @@ class TierHierarchy:
                 self._pending_stores -= len(keys)
                 self._cond.notify_all()
 
-    def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: str | None, names: list[str]) -> None:
+    def _store_owned(self, keys: list[bytes], tensors: list[Any], owner: Tenancy, names: list[str]) -> None:
         """Write one owner's blocks and record them in its manifests (inside its fence)."""
         stored: dict[str, list[bytes]] = {}
         for key, kv in zip(keys, tensors):
@@ -494,10 +500,10 @@ class TierHierarchy:
                         data = self._encode(kv, key, owner)
                     except (KeyDestroyedError, KeyringError):
                         return  # no data key to be had now (Redis down): nothing is stored
-                if tier.put(key, data, self.tenants.remote_ttl(owner) if name == "remote" else None):
+                if tier.put(key, data, self.tenants.remote_ttl(owner.tenant) if name == "remote" else None):
                     stored.setdefault(name, []).append(key)
         for name, done in stored.items():
-            self.tiers[name].record_owner(owner_id(owner), done)
+            self.tiers[name].record_owner(owner.owner_id, done)
             if name == "disk":
                 self.tenants.enforce_disk_quota(owner)
 

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.identity import Owner, tenant_of
 from kvtier.tiers.base import TierCounters
 from kvtier.tiers.faults import FaultConfig, InjectedError
 from kvtier.tiers.fence import Stamp
@@ -25,8 +26,9 @@ class HostEntry:
 
     kv: Any
     """The block's KV: a tensor (the simulator's: a marker)."""
-    owner: str | None
-    """The tenant whose request computed it (None: no named tenant)."""
+    owner: Owner
+    """Whose request computed it: its Tenancy (kvtier.identity), or a tenant's name (None: no
+    named tenant). Selected by the tenant's name (`owner_keys`, `purge_owner`, `expire_owner`)."""
     stored_at: float
     """time.monotonic() when it was stored: tenant TTLs expire it from here."""
     stamp: Stamp
@@ -192,17 +194,17 @@ class HostTier(TierCounters):
         """The keys of `owner`'s entries (the tenant's name, not its owner id), least recent
         first."""
         with self._lock:
-            return [e.key for e in self._lru.entries() if e.value.owner == owner]
+            return [e.key for e in self._lru.entries() if tenant_of(e.value.owner) == owner]
 
     def purge_owner(self, owner: str | None) -> int:
         """Delete every entry of `owner`; returns how many."""
-        return self.purge_where(lambda e: e.owner == owner)
+        return self.purge_where(lambda e: tenant_of(e.owner) == owner)
 
     def expire_owner(self, owner: str | None, ttl_s: float, now: float | None = None) -> int:
         """Delete `owner`'s entries stored more than `ttl_s` before `now` (a time.monotonic();
         default the current one); returns how many."""
         cutoff = (time.monotonic() if now is None else now) - ttl_s
-        return self.purge_where(lambda e: e.owner == owner and e.stored_at < cutoff)
+        return self.purge_where(lambda e: tenant_of(e.owner) == owner and e.stored_at < cutoff)
 
     # ------------------------------------------------------------------ whole tier
     def keys(self) -> Iterator[bytes]:

@@ -1,19 +1,10 @@
 """Owner ids: how a tenant's name is stored beside its blocks (a hash, so names never reach the
-disk or Redis). A leaf: it imports nothing from kvtier, so every tier module may use it.
-
-kvtier.tiers.hierarchy re-exports both names (their former home).
+disk or Redis). Defined in the leaf kvtier.identity (with the Tenancy a request carries, its
+owner id computed once); re-exported here, and by kvtier.tiers.hierarchy (their former homes).
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
+from kvtier.identity import DEFAULT_OWNER, owner_id
 
-DEFAULT_OWNER = "_default"
-"""The data key of blocks that belong to no named tenant (offline use, a single-tenant server)."""
-
-
-@functools.lru_cache(maxsize=4096)
-def owner_id(owner: str | None) -> str:
-    """A tenant's name as stored beside its blocks: hashed, so names never reach the disk."""
-    return hashlib.sha256((owner or DEFAULT_OWNER).encode("utf-8")).hexdigest()[:32]
+__all__ = ["DEFAULT_OWNER", "owner_id"]

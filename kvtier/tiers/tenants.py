@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier import threads
+from kvtier.identity import Owner, as_tenancy
 from kvtier.tiers.errors import TierError
 from kvtier.tiers.fence import ALL, OwnerFence, PurgeLedger
 from kvtier.tiers.keyring import KeyringError
@@ -119,13 +120,15 @@ class TenantAdmin:
                 excess -= block_bytes
                 self._stats.quota_evictions += 1
 
-    def enforce_disk_quota(self, owner: str | None) -> None:
-        """Delete `owner`'s oldest-written disk entries until it is within its disk cap (if any)."""
-        cap_bytes = self.owner_quota.get(owner, (None, None))[1]
+    def enforce_disk_quota(self, owner: Owner) -> None:
+        """Delete `owner`'s oldest-written disk entries until it is within its disk cap (if any).
+        `owner`: a Tenancy (a store's: its owner id precomputed) or a tenant's name."""
+        tenancy = as_tenancy(owner)
+        cap_bytes = self.owner_quota.get(tenancy.tenant, (None, None))[1]
         disk = self._tiers.get("disk")
         if cap_bytes is None or disk is None:
             return
-        sizes = disk.entry_sizes(disk.owner_keys(owner_id(owner)))  # oldest write first
+        sizes = disk.entry_sizes(disk.owner_keys(tenancy.owner_id))  # oldest write first
         excess = sum(sizes.values()) - cap_bytes
         for key, size in sizes.items():
             if excess <= 0:

@@ -9,6 +9,9 @@ import pytest
 from engineutil import clean
 
 from kvtier import LLM, SamplingParams
+from kvtier.identity import ANONYMOUS, Tenancy
+from kvtier.kvcache import root_key
+from kvtier.tiers.owners import owner_id
 
 
 def test_pool_reported(llm):
@@ -187,4 +190,30 @@ def test_n_samples_whose_parent_finishes_on_its_first_token(llm, stop):
         assert all(o.finish_reason == "stop" for o in out.outputs)
     again = llm.generate([prompt], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert len(again.outputs[0].token_ids) == 3  # the engine still serves
+    clean(llm)
+
+
+def test_a_requests_tenancy_is_made_once_at_the_one_entry_point(llm):
+    """`add_request(tenancy=...)` (the engine loop's way, from the server) and the offline
+    `tenant=`/`cache_salt=` keywords give a request the same Tenancy: the same root key, the
+    owner id the tiers store under (owner_id of the name), on the request and its blocks."""
+    core, sp = llm.engine, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    tenancy = Tenancy.of("acme", "acme-salt")
+    a = core.add_request(list(range(10, 22)), sp, tenancy=tenancy)
+    b = core.add_request(list(range(10, 22)), sp, tenant="acme", cache_salt="acme-salt")
+    c = core.add_request(list(range(10, 22)), sp)
+    ra, rb, rc = (core.scheduler.requests[r] for r in (a, b, c))
+    assert ra.tenancy == rb.tenancy == tenancy and rc.tenancy == ANONYMOUS
+    assert ra.tenancy.owner_id == owner_id("acme") and rc.tenancy.owner_id == owner_id(None)
+    assert ra.root_key == rb.root_key == root_key(core.runner.fingerprint, "acme-salt")
+    assert rc.root_key == root_key(core.runner.fingerprint, None) != ra.root_key
+    with pytest.raises(ValueError, match="not both"):
+        core.add_request([1, 2], sp, tenancy=tenancy, tenant="acme")
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        core.add_request([1, 2], sp, cache_salt=3)
+    while core.has_unfinished:
+        core.step()
+    owners = {n.owner for n in core.kv.index.nodes()}
+    assert tenancy in owners and ANONYMOUS in owners
+    assert core.tenants.device_usage("acme")["blocks"] == 3  # one copy of the salted prefix
     clean(llm)

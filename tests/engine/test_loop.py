@@ -27,6 +27,7 @@ from kvtier.engine.protocol import (
     encode,
     stats_value,
 )
+from kvtier.identity import Tenancy
 from kvtier.sampling_params import SamplingParams
 
 TIMEOUT_S = 60.0
@@ -178,7 +179,9 @@ def test_admin_calls_answer_through_the_loop(end: Any) -> None:
 
 def test_a_purge_aborts_the_tenants_requests(end: Any) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    end.send(AddBatch(1, [AddRequest("a", [5, 6, 7], long, tenant="t"), AddRequest("b", [5, 6], long, tenant="u")]))
+    end.send(
+        AddBatch(1, [AddRequest("a", [5, 6, 7], long, Tenancy.of("t")), AddRequest("b", [5, 6], long, Tenancy.of("u"))])
+    )
     assert reply(end, 1).error is None
     end.send(AdminCall(2, AdminOp.PURGE, tenant="t"))
     finished: list[str] = []

@@ -4,6 +4,8 @@ decoded), and the delta of a real output rebuilds that output on the client side
 
 from __future__ import annotations
 
+import hashlib
+
 import msgspec
 import pytest
 
@@ -30,8 +32,10 @@ from kvtier.engine.protocol import (
     encode,
     stats_value,
 )
+from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
+from kvtier.tiers.owners import DEFAULT_OWNER, owner_id
 
 FULL_PARAMS = SamplingParams(
     n=3,
@@ -63,10 +67,30 @@ FULL_PARAMS = SamplingParams(
 
 def test_sampling_params_round_trip_exactly() -> None:
     for params in (SamplingParams(), FULL_PARAMS, SamplingParams(stop="x", structured_outputs={"json": {"a": [1]}})):
-        msg = AddBatch(1, [AddRequest("r", [1, 2], params, "salt", 2, "text", "tenant", 12.5)])
+        msg = AddBatch(1, [AddRequest("r", [1, 2], params, Tenancy.of("tenant", "salt"), 2, "text", 12.5)])
         back = decode_to_engine(encode(msg))
         assert back == msg
         assert back.requests[0].params == params and type(back.requests[0].params) is SamplingParams
+
+
+def test_the_tenancy_crosses_as_one_field() -> None:
+    """A request's tenancy (tenant, effective salt, owner id) survives the encoding whole; its
+    owner id is the one the tiers store under (owner_id of the name, so stored data stays
+    readable); a request without one is anonymous."""
+    for tenancy in (Tenancy.of("acme", "acme-salt\x00project-x"), Tenancy.of("default"), ANONYMOUS):
+        back = decode_to_engine(encode(AddBatch(1, [AddRequest("r", [1], SamplingParams(), tenancy)])))
+        assert isinstance(back, AddBatch)
+        got = back.requests[0].tenancy
+        assert got == tenancy and isinstance(got, Tenancy)
+        assert got.owner_id == owner_id(tenancy.tenant)
+    assert Tenancy.of("acme").owner_id == hashlib.sha256(b"acme").hexdigest()[:32]
+    assert Tenancy(None, None, owner_id(DEFAULT_OWNER)) == ANONYMOUS
+    assert AddRequest("r", [1], SamplingParams()).tenancy == ANONYMOUS
+    with pytest.raises(ValueError, match="cache_salt must be a string"):
+        Tenancy.of("acme", 3)  # type: ignore[arg-type]
+    raw = encode(AddBatch(1, [AddRequest("r", [1], SamplingParams(), Tenancy("a", None, 7))]))  # type: ignore[arg-type]
+    with pytest.raises(msgspec.ValidationError):
+        decode_to_engine(raw)
 
 
 def test_a_request_decoded_is_validated_again() -> None:

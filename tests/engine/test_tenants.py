@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvtier.engine.tenants import EngineTenants
+from kvtier.identity import Tenancy, tenant_of
 from kvtier.kvcache import KVCacheManager, root_key
 
 BS = 4
@@ -18,14 +19,14 @@ BLOCK_BYTES = 100
 def computed(m: KVCacheManager, req_id: str, tokens: list[int], owner: str | None) -> None:
     """Admit a request and compute all its tokens (its full blocks are cached, owned by `owner`)."""
     match = m.match(tokens, ROOT)
-    assert m.allocate_new(req_id, tokens, ROOT, match, len(tokens) - match.num_cached_tokens(BS), owner)
+    assert m.allocate_new(req_id, tokens, ROOT, match, len(tokens) - match.num_cached_tokens(BS), Tenancy.of(owner))
     m.take_copies()
     m.end_step()
     m.cache_blocks(req_id, tokens, len(tokens))
 
 
 def owned(m: KVCacheManager, owner: str | None) -> list[int]:
-    return sorted(n.block_id for n in m.index.nodes() if n.owner == owner)
+    return sorted(n.block_id for n in m.index.nodes() if tenant_of(n.owner) == owner)
 
 
 def no_store() -> None:
@@ -69,7 +70,7 @@ def test_ttl_sweep_drops_only_blocks_older_than_the_tenants_ttl() -> None:
         m.free(req_id)
     now = time.monotonic()
     for node in m.index.nodes():
-        node.created = now - 100.0 if node.block_id in (0, 1) or node.owner == "b" else now + 100.0
+        node.created = now - 100.0 if node.block_id in (0, 1) or tenant_of(node.owner) == "b" else now + 100.0
     tenants = EngineTenants(m, None, BLOCK_BYTES, no_store)
     assert tenants.sweep_expired() == {}  # no TTL set: nothing expires
 

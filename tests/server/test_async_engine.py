@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvtier.engine.admin import EngineAdmin
+from kvtier.identity import Tenancy
 from kvtier.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.server.async_engine import AsyncEngine, EngineDeadError, EngineStepError, RequestSpec, RequestStream
@@ -72,11 +73,10 @@ class FakeEngine:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
-        cache_salt: str | None = None,
         priority: int = 0,
         prompt: str | None = None,
-        tenant: str | None = None,
         arrival_time: float | None = None,
+        tenancy: Tenancy | None = None,
     ) -> str:
         self.arrivals[request_id] = arrival_time
         if not prompt_token_ids:

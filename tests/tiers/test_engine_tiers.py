@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
+from kvtier.identity import Tenancy
 from kvtier.tiers.codec import encode
 
 SP = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -287,7 +288,7 @@ def test_encryption_at_rest_per_tenant_and_destroyed_keys(model_dir, expected, t
     llm.engine.tiers.flush()
     # the raw KV of a cached block appears in no file on disk
     node = next(iter(llm.engine.kv.index.nodes()))
-    assert node.owner == "acme"
+    assert node.owner == Tenancy.of("acme")  # its owner id computed once, at add_request
     raw = llm.engine.runner.read_block(node.block_id).numpy().tobytes()
     files = sorted((tmp_path / "d").rglob("*.kv"))
     assert files and not any(raw[:256] in f.read_bytes() for f in files)
