@@ -4,7 +4,7 @@ OpenAI server, one after the other on the same model, quiet and contended, in on
     python benchmarks/serve_bench.py --vllm-python .venv-vllm/bin/python
     python benchmarks/serve_bench.py --scenarios quiet --num-prompts 32 --out /tmp/serve.jsonl
     python benchmarks/serve_bench.py --servers kvtier --scenarios quiet \
-        --kvtier-variant before /tmp/wt-before '' --kvtier-variant in-process - '--engine-in-process'
+        --kvtier-variant before /tmp/wt-before '' --kvtier-variant in-process - ' --engine-in-process'
 
 The reference model (benchmarks/build_reference_model.py) gets a word-level tokenizer in a copy
 of its folder: id i is the word `w{i}` (ids 0-2 special), whitespace pre-tokenizer, no BOS, so
@@ -265,7 +265,7 @@ def main() -> None:
         metavar=("NAME", "SRC", "FLAGS"),
         help="another kvtier server to measure beside the others: its name, the source tree it runs "
         "(e.g. a worktree of an older commit; '-' for the installed one) and its extra `kvtier serve` "
-        "flags as one string ('' for none); repeatable",
+        "flags as one string ('' for none; start it with a space: ' --engine-in-process'); repeatable",
     )
     ap.add_argument("--prefix-len", type=int, default=512)
     ap.add_argument("--input-len", type=int, default=128)
