@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vllmutil import (
     BLOCK,
     POOL_BYTES,
+    REPO,
     RUNNER,
     VLLM_PY,
     _build_model,
@@ -285,7 +286,7 @@ def test_openai_server_with_connector_restores_and_shows_metrics(tmp_path):
         json.dumps(conn),
     ]
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(REPO)
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"

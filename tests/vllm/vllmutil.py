@@ -69,7 +69,7 @@ def _run(tmp: Path, name: str, spec: dict, env: dict[str, str] | None = None) ->
     spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     full_env = dict(os.environ, **(env or {}))
-    full_env.pop("PYTHONPATH", None)
+    full_env["PYTHONPATH"] = str(REPO)  # this checkout's kvtier, not the one installed in vLLM's environment
     with open(log_path, "w") as log:
         proc = subprocess.run(
             [VLLM_PY, str(RUNNER), str(spec_path), str(out_path)],
