@@ -133,6 +133,8 @@ class _Live:
             )
             if sd.text is not None:
                 s.text = sd.text
+            elif sd.text_delta:
+                s.text += sd.text_delta
         outs = [
             CompletionOutput(
                 index=i,

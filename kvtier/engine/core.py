@@ -84,7 +84,11 @@ class _Group:
     arrival_time: float
     seqs: list[Request] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
-    """Each sequence's text so far, kept only with stop strings (where it is cut at one)."""
+    """Each sequence's text so far, kept only with stop strings (where it is cut at one) or when
+    the text is streamed (`stream_text`); final once the sequence ended."""
+    stream_text: bool = False
+    """Detokenize as the text grows, for a streaming reader (AddRequest.stream): running
+    outputs carry the text that is final so far (held back near a possible stop string)."""
     detoks: list[IncrementalDetokenizer | None] = field(default_factory=list)
     decoded: list[bool] = field(default_factory=list)
     """Whether texts[i] is final (the sequence ended and its text was decoded)."""
@@ -211,10 +215,12 @@ class EngineCore:
         arrival_time: float | None = None,
         tenant: str | None = None,
         tenancy: Tenancy | None = None,
+        stream_text: bool = False,
     ) -> str:
         """Add a request; its id. `tenancy`: who it belongs to, as the engine loop receives it
         from the server (kvtier.identity); or, offline and in tests, `tenant` and `cache_salt`,
-        made into one here (not both ways at once)."""
+        made into one here (not both ways at once). `stream_text`: running outputs carry the
+        text decoded so far (a streaming reader's deltas; see _Group.stream_text)."""
         if tenancy is None:
             tenancy = Tenancy.of(tenant, cache_salt)
         elif tenant is not None or cache_salt is not None:
@@ -240,6 +246,7 @@ class EngineCore:
         )
         group = _Group(request_id, prompt, ids, params, arrival)
         group.tenancy = tenancy
+        group.stream_text = stream_text
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
         req = self._new_seq(group, 0, ids, priority, arrival)
@@ -323,7 +330,7 @@ class EngineCore:
         group.decoded.append(False)
         group.detoks.append(
             IncrementalDetokenizer(self.tokenizer, sp.skip_special_tokens)
-            if sp.stop and self.tokenizer is not None
+            if (sp.stop or group.stream_text) and self.tokenizer is not None
             else None
         )
         group.logprobs.append([])
@@ -716,7 +723,9 @@ class EngineCore:
             text = detok.text
             stops = sp.stop
             assert isinstance(stops, list)  # SamplingParams.__post_init__ makes it a list
-            cut = _find_stop(text, stops, tail=len(text) - len(group.texts[i]) + max(map(len, stops)))
+            cut = (
+                _find_stop(text, stops, tail=len(text) - len(group.texts[i]) + max(map(len, stops))) if stops else None
+            )
             group.texts[i] = text
             if cut is not None:
                 pos, stop = cut
@@ -730,8 +739,9 @@ class EngineCore:
         outs = []
         for i, req in enumerate(group.seqs):
             if group.finish[i] is not None and not group.decoded[i]:
-                # decoded once, when the sequence ends (until then a streaming reader decodes the
-                # token ids incrementally: StreamText); a stop string already cut texts[i]
+                # the final text, decoded whole once when the sequence ends (the authority: a
+                # streamed text is checked against it, StreamText.finish); a stop string already
+                # cut texts[i]
                 group.decoded[i] = True
                 if self.tokenizer is not None and not isinstance(group.stop_reasons[i], str):
                     ids = req.output_token_ids
@@ -744,6 +754,13 @@ class EngineCore:
                         ids = ids[:-1]  # an EOS or stop token ended it: its text is not output
                     group.texts[i] = self.tokenizer.decode(ids, req.sampling.skip_special_tokens)
             text = group.texts[i]
+            if group.finish[i] is None and group.detoks[i] is not None:
+                # running: only the text no stop string can still take back (the stop string
+                # may span tokens still to come)
+                stops = req.sampling.stop
+                hold = max(map(len, stops)) - 1 if stops else 0
+                if hold:
+                    text = text[: max(len(text) - hold, 0)]
             outs.append(
                 CompletionOutput(
                     index=i,

@@ -12,8 +12,12 @@ in U+FFFD is an incomplete multi-byte character (a byte-level tokenizer split it
 it is held back until the next token completes it, or until `flush` at the end.
 
 Stop strings: the engine cuts the final text at a stop string that may span tokens already
-seen, so with stop strings the last `max(len(stop)) - 1` characters are held back too
-(`StreamText`).
+seen, so while a sequence with stop strings runs its last `max(len(stop)) - 1` characters are
+held back too (EngineCore._output).
+
+Where it runs: in the engine, once per token, for requests whose text is streamed or has stop
+strings (the only ones that need text before the end); the server only forwards text deltas
+(`StreamText`). Every other request is decoded once, whole, when it ends.
 """
 
 from __future__ import annotations
@@ -71,27 +75,21 @@ class IncrementalDetokenizer:
 
 
 class StreamText:
-    """The text of one output sequence as a stream of deltas.
+    """The text of one output sequence as a stream of deltas, on the server's side.
 
-    `update(token_ids)` takes the sequence's cumulative token ids and returns the text to send
-    now; `finish(final_text)` returns the rest, given the engine's final text (which is the
-    authority: stop strings are cut from it)."""
+    The engine decodes (`IncrementalDetokenizer`, for requests added with `stream`) and hands
+    each running output's text as far as it is final; `update(text)` returns what is new since
+    the last call, and `finish(final_text)` the rest, given the engine's final text (the
+    authority, decoded whole once: stop strings are cut from it)."""
 
-    def __init__(self, tokenizer: _Decoder | None, skip_special_tokens: bool = True, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens)
-        self._hold = max((len(s) for s in stop), default=1) - 1
+    def __init__(self) -> None:
         self.sent = ""
 
-    def update(self, token_ids: Sequence[int]) -> str:
-        seen = len(self._detok.token_ids)
-        if len(token_ids) > seen:
-            self._detok.push(token_ids[seen:])
-        text = self._detok.text
-        ready = len(text) - self._hold
-        if ready <= len(self.sent):
+    def update(self, text: str) -> str:
+        if len(text) <= len(self.sent):
             return ""
-        delta = text[len(self.sent) : ready]
-        self.sent += delta
+        delta = text[len(self.sent) :]
+        self.sent = text
         return delta
 
     def finish(self, final_text: str) -> str:

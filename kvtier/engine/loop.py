@@ -32,6 +32,7 @@ from kvtier.engine.protocol import (
     Outputs,
     Reply,
     SeqDelta,
+    Undecodable,
     error_info,
     plain_logprobs,
 )
@@ -105,8 +106,8 @@ class EngineLoop:
         self.admin = core.admin
         """The core's EngineAdmin: the only way the loop reaches the tiers."""
         self.transport = transport
-        self._sent: dict[str, list[int]] = {}
-        """Request in flight -> token ids sent so far per sequence."""
+        self._sent: dict[str, list[tuple[int, int]]] = {}
+        """Request in flight -> (token ids, characters of text) sent so far per sequence."""
         self._idle: list[AdminCall | LocalCall] = []
         self._soon: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waiting = 0
@@ -161,6 +162,10 @@ class EngineLoop:
             self._end("the server is shutting down", "shutting down")
             self.transport.send(Reply(cmd.call_id))
             return False
+        elif isinstance(cmd, Undecodable):
+            logger.error("%s", cmd.message)
+            if cmd.call_id is not None:
+                self._reply_error(cmd.call_id, ErrorInfo("ValueError", cmd.message, False))
         elif isinstance(cmd, (AdminCall, LocalCall)):
             idle = cmd.when_idle if isinstance(cmd, LocalCall) else cmd.op is AdminOp.CHECK_INTEGRITY
             if idle:
@@ -203,6 +208,7 @@ class EngineLoop:
                         prompt=r.prompt,
                         tenancy=r.tenancy,
                         arrival_time=min(r.arrival_time, time.monotonic()),
+                        stream_text=r.stream,
                     )
                 )
         except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
@@ -292,15 +298,17 @@ class EngineLoop:
         self.transport.send(Reply(call_id, error=error))
 
 
-def to_delta(out: RequestOutput, sent: list[int]) -> OutputDelta:
-    """A RequestOutput as a delta: per sequence only the token ids (and logprobs) not sent yet;
-    `sent[i]` counts what was sent of sequence i (updated)."""
+def to_delta(out: RequestOutput, sent: list[tuple[int, int]]) -> OutputDelta:
+    """A RequestOutput as a delta: per sequence only the token ids (and logprobs) and the text
+    not sent yet (the whole final text once it ends); `sent[i]` counts the token ids and
+    characters sent of sequence i (updated)."""
     seqs = []
     for c in out.outputs:
         while len(sent) <= c.index:
-            sent.append(0)
-        k = sent[c.index]
-        sent[c.index] = len(c.token_ids)
+            sent.append((0, 0))
+        k, chars = sent[c.index]
+        done = c.finish_reason is not None
+        sent[c.index] = (len(c.token_ids), chars if done else len(c.text))
         seqs.append(
             SeqDelta(
                 c.index,
@@ -308,8 +316,9 @@ def to_delta(out: RequestOutput, sent: list[int]) -> OutputDelta:
                 plain_logprobs(c.logprobs[k:]) if c.logprobs is not None else None,
                 c.finish_reason,
                 c.stop_reason,
-                c.text if c.finish_reason is not None else None,
+                c.text if done else None,
                 c.cumulative_logprob,
+                "" if done else c.text[chars:],
             )
         )
     m = out.metrics

@@ -67,7 +67,7 @@ class ZmqTransport:
                 raw = self.pull.recv(flags=1)  # zmq.NOBLOCK
             except Exception:  # noqa: BLE001 - zmq.Again: drained
                 return cmds
-            cmds.append(protocol.decode_to_engine(raw))
+            cmds.append(protocol.decode_to_engine_or_error(raw))
 
     def send(self, msg: FromEngine) -> None:
         raw = protocol.encode(msg)

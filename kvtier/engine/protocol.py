@@ -42,6 +42,9 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add_request"):
     """When the server took the request (time.monotonic, one clock for every process on the
     machine): TTFT and queue time count from here, including a wait for the engine's current
     step, as vLLM counts from its API server's arrival."""
+    stream: bool = False
+    """The server streams the text: the engine detokenizes it as it grows and ships the new text
+    in each delta (SeqDelta.text_delta), so it is decoded once, in the engine."""
 
 
 class AddBatch(msgspec.Struct, array_like=True, tag="add"):
@@ -92,6 +95,10 @@ class SeqDelta(msgspec.Struct, array_like=True):
     text: str | None
     """The final text, once the sequence finished (None before)."""
     cumulative_logprob: float | None
+    text_delta: str = ""
+    """Text new since the last delta, while the sequence runs: only for a request added with
+    `stream` (or with stop strings); final with the last token's step (kvtier.engine.detokenizer:
+    held back while a stop string or a multi-byte character may still be completing)."""
 
 
 class OutputDelta(msgspec.Struct, array_like=True):
@@ -161,6 +168,15 @@ class Fatal(msgspec.Struct, array_like=True, tag="fatal"):
     bad_config: bool = False
 
 
+class Undecodable(msgspec.Struct):
+    """A message to the engine that did not decode or validate (a bug or two versions of kvtier
+    side by side: the server validated the request before it sent it). Never on the wire: the
+    engine loop answers its call, when one can be read from it, with the error and goes on."""
+
+    call_id: int | None
+    message: str
+
+
 ToEngine = AddBatch | Abort | AdminCall
 FromEngine = Outputs | Reply | Fail | Ready | Fatal
 
@@ -175,6 +191,22 @@ def encode(msg: ToEngine | FromEngine) -> bytes:
 
 def decode_to_engine(raw: bytes) -> ToEngine:
     return _to_engine.decode(raw)
+
+
+def decode_to_engine_or_error(raw: bytes) -> ToEngine | Undecodable:
+    """`decode_to_engine`, with a message that fails to decode as an Undecodable that keeps its
+    call id (AddBatch and AdminCall carry one second, after their tag) when that much reads."""
+    try:
+        return _to_engine.decode(raw)
+    except (msgspec.DecodeError, ValueError, TypeError) as e:  # ValidationError is a DecodeError
+        call_id = None
+        try:
+            head = msgspec.msgpack.decode(raw)
+        except msgspec.DecodeError:
+            head = None
+        if isinstance(head, list) and len(head) > 1 and head[0] in ("add", "call") and type(head[1]) is int:
+            call_id = head[1]
+        return Undecodable(call_id, f"a message to the engine did not decode: {e}")
 
 
 def decode_from_engine(raw: bytes) -> FromEngine:

@@ -157,7 +157,7 @@ class OpenAIServing:
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
             for sp in params:
                 sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
-        streams = await self._add(engine_id, prompts, params, req, tenant)
+        streams = await self._add(engine_id, prompts, params, req, tenant, stream=req.stream)
         created = int(time.time())
         if req.stream:
             include_usage, continuous = _usage_options(req)
@@ -235,11 +235,10 @@ class OpenAIServing:
                     continue
                 st = texts.get(idx)
                 if st is None:
-                    assert isinstance(sp.stop, list)  # SamplingParams.__post_init__ made it one
-                    st = texts[idx] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+                    st = texts[idx] = StreamText()
                 if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
                     raise StructuredOutputFailed(_structured_failure(c))
-                delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
+                delta = st.finish(c.text) if c.finished else st.update(c.text)
                 start = sent_tokens.get(idx, 0)
                 new_tokens = len(c.token_ids) > start
                 if not (delta or c.finished or (new_tokens and (per_step or sp.logprobs is not None))):
@@ -321,7 +320,9 @@ class OpenAIServing:
         await self._check_structured(params, "tool_choice" if tool_spec is not None else req.structured()[1])
         tool_state = (mode, fname, self.tool_parser if mode == "auto" else None)
         request_id, engine_id = _request_ids("chatcmpl", raw)
-        streams = await self._add(engine_id, [(None, ids)], params, req, tenant, prompt_param="messages")
+        streams = await self._add(
+            engine_id, [(None, ids)], params, req, tenant, prompt_param="messages", stream=req.stream
+        )
         created = int(time.time())
         if req.stream:
             include_usage, continuous = _usage_options(req)
@@ -426,9 +427,8 @@ class OpenAIServing:
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
         final: RequestOutput | None = None
-        assert isinstance(sp.stop, list)  # SamplingParams.__post_init__ made it one
         for i in range(sp.n):  # the role first, as OpenAI does
-            texts[i] = StreamText(self.tokenizer, sp.skip_special_tokens, sp.stop)
+            texts[i] = StreamText()
             chunk = R.chat_chunk(request_id, self.model_name, created, i, {"role": "assistant", "content": ""}, None)
             if continuous_usage:
                 chunk["usage"] = _running_usage(num_prompt_tokens, 0)
@@ -440,7 +440,7 @@ class OpenAIServing:
                 if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
                     raise StructuredOutputFailed(_structured_failure(c))
                 st = texts[c.index]
-                delta = st.finish(c.text) if c.finished else st.update(c.token_ids)
+                delta = st.finish(c.text) if c.finished else st.update(c.text)
                 start = sent_tokens.get(c.index, 0)
                 new_tokens = len(c.token_ids) > start
                 if not (delta or c.finished or (new_tokens and (return_token_ids or sp.logprobs is not None))):
@@ -773,6 +773,7 @@ class OpenAIServing:
         req: _SamplingFields,
         tenant: Tenant,
         prompt_param: str = "prompt",
+        stream: bool = False,
     ) -> list[RequestStream]:
         tenancy = tenant.tenancy(req.cache_salt)
         specs = [
@@ -783,6 +784,7 @@ class OpenAIServing:
                 tenancy=tenancy,
                 priority=req.priority,
                 prompt=text,
+                stream=stream,
             )
             for p, ((text, ids), sp) in enumerate(zip(prompts, params))
         ]

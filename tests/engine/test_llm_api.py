@@ -67,6 +67,36 @@ def test_stop_strings_cut_the_text(llm):
     clean(llm)
 
 
+def test_streamed_text_is_decoded_in_the_engine_and_held_back_near_a_stop_string(llm):
+    """A request added with stream_text: each running output carries the text final so far (a
+    prefix of the next), never the start of a possible stop string; the last is the whole text."""
+    sp = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    text = llm.generate("abc", sp)[0].outputs[0].text
+    stop = text[6:9]
+    ids = llm.tokenizer.encode("abc")
+    for stops in ([], [stop]):
+        core = llm.engine
+        rid = core.add_request(
+            ids, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=stops), stream_text=True
+        )
+        seen = [""]
+        while core.has_unfinished:
+            for out in core.step():
+                if out.request_id == rid:
+                    c = out.outputs[0]
+                    assert c.text.startswith(seen[-1]) or c.finish_reason is not None
+                    seen.append(c.text)
+        final = seen[-1]
+        assert final == (text[: text.find(stop)] if stops else text)
+        running = seen[1:-1]
+        assert running and all(final.startswith(t) for t in running)
+        if stops:  # what could start the stop string was held back, never sent
+            assert all(stop not in t for t in running)
+        else:
+            assert running[-1] == text[: len(running[-1])] and len(running[-1]) >= len(text) - 4
+    clean(llm)
+
+
 def test_stop_token_ids_and_eos(llm):
     sp = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     toks = llm.generate("xyz", sp)[0].outputs[0].token_ids

@@ -147,6 +147,29 @@ def test_a_bad_request_adds_none_of_its_batch(end: Any, llm: Any) -> None:
     assert report["ok"] and report["num_unfinished"] == 0
 
 
+def test_a_message_that_does_not_decode_is_answered_and_the_loop_goes_on(llm: Any) -> None:
+    """Over ZMQ: a batch whose sampling parameters fail the engine's validation (n = 0: the
+    server would have refused it) gets an error reply; the loop keeps serving."""
+    e = Zmq(llm.engine)
+    thread = threading.Thread(target=e.loop.run, daemon=True)
+    thread.start()
+    try:
+        raw = encode(AddBatch(7, [AddRequest("r", [5, 6], GREEDY)]))
+        e.push.send(raw.replace(b"\xa1n\x01", b"\xa1n\x00"))
+        e.push.send(b"\xc1 not msgpack")  # no call id to answer: logged
+        r = reply(e, 7)
+        assert r.error is not None and r.error.kind == "ValueError" and "did not decode" in r.error.message
+        e.send(AddBatch(8, [AddRequest("ok", [5, 6], GREEDY)]))
+        assert reply(e, 8).error is None
+        assert tokens_until_finished(e, {"ok"})["ok"][1] == "length"
+    finally:
+        e.send(AdminCall(-1, AdminOp.STOP))
+        thread.join(TIMEOUT_S)
+        e.close()
+    assert not thread.is_alive()
+    clean(llm)
+
+
 def test_an_abort_ends_the_request_with_its_final_delta(end: Any) -> None:
     """(The reply to the add comes first, then the final delta.)"""
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)

@@ -112,7 +112,7 @@ def test_every_message_round_trips() -> None:
         True,
         [
             SeqDelta(0, [5, 6], [{5: (-0.5, 1)}, None], "stop", "END", "hi", -1.25),
-            SeqDelta(1, [], None, None, 7, None, None),
+            SeqDelta(1, [], None, None, 7, None, None, "new text"),
         ],
         4,
         {"device": 2, "host": 2},
@@ -172,13 +172,13 @@ def test_deltas_rebuild_the_output() -> None:
     """A request's outputs over three steps, sent as deltas, rebuilt on the client side."""
     spec = AddRequest("r", [1, 2], SamplingParams(n=2, logprobs=1), prompt="p")
     live = _Live(Stream("r"), spec)
-    sent: list[int] = []
+    sent: list[tuple[int, int]] = []
 
     def output(k: int, finished: bool) -> RequestOutput:
         seqs = [
             CompletionOutput(
                 i,
-                "text" if finished else "",
+                "the text" if finished else "te"[:k] + "x" * (k - 2) * i,
                 [10 * i + j for j in range(k)],
                 logprobs=[{10 * i + j: Logprob(-0.5 * j, 1)} for j in range(k)],
                 finish_reason="length" if finished else None,
@@ -205,4 +205,4 @@ def test_deltas_rebuild_the_output() -> None:
             want.prompt_logprobs = None  # sent once, with the last delta
         assert got == want
         assert [lp.rank for c in got.outputs for d in c.logprobs or [] for lp in d.values()] == [1] * 2 * k
-    assert sent == [4, 4]
+    assert sent == [(4, 2), (4, 3)]  # characters: what streamed (the final text replaces it)

@@ -77,6 +77,7 @@ class FakeEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         tenancy: Tenancy | None = None,
+        stream_text: bool = False,
     ) -> str:
         self.arrivals[request_id] = arrival_time
         if not prompt_token_ids:
