@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvtier.kv_events import KVEventsConfig
     from kvtier.sched.scheduler import SchedulerConfig
     from kvtier.tiers.hierarchy import TierConfig
 
@@ -115,3 +116,5 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=_scheduler_config)
     tiers: TierConfig = field(default_factory=_tier_config)
     drift: DriftConfig = field(default_factory=DriftConfig)
+    kv_events: KVEventsConfig | None = None
+    """Publish the cache's contents as vLLM-format KV events (kvtier.kv_events); None: off."""

@@ -34,6 +34,8 @@ class LLM:
     --kv-master-key-file` (kvtier.tiers.keyring); a key other than the one the instances sharing
     the Redis use raises KeyDomainError. `kv_key_check_interval_s`: how long a cached data key
     is used before it is re-read (a purge made elsewhere reaches this engine within it).
+    `kv_events_config`: vLLM's KVEventsConfig (a kvtier.kv_events.KVEventsConfig, a dict or a
+    JSON object): publish what the caches hold as vLLM-format KV events for KV-aware routers.
     """
 
     def __init__(
@@ -73,7 +75,10 @@ class LLM:
         num_threads: int | None = None,
         generation_config: str = "auto",
         gpu_memory_utilization: float | None = None,
+        kv_events_config: Any = None,
     ) -> None:
+        from kvtier.kv_events import KVEventsConfig
+
         config = EngineConfig(
             model=ModelConfig(
                 model=str(model),
@@ -116,6 +121,7 @@ class LLM:
                 faults=tuple(sorted((tier_faults or {}).items())),
             ),
             drift=DriftConfig(sample_rate=kv_drift_sample_rate, seed=seed),
+            kv_events=KVEventsConfig.parse(kv_events_config),
         )
         tok = None
         if not skip_tokenizer_init:

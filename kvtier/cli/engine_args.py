@@ -8,6 +8,7 @@ defaults apply. Torch-free: flags are checked before torch loads.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from kvtier.cli.args import fraction, integer, positive_float, positive_int, size
@@ -20,6 +21,18 @@ from kvtier.tiers.hierarchy import WRITE_POLICIES
 __all__ = ["DTYPES", "ENGINE_KEYS", "KV_CACHE_DTYPES", "TIER_KEYS", "add_engine_args", "engine_kwargs"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _kv_events_config(text: str) -> dict[str, Any]:
+    """--kv-events-config: a JSON object of vLLM's KVEventsConfig fields, checked here."""
+    from kvtier.kv_events import KVEventsConfig  # light: no torch
+
+    try:
+        config = KVEventsConfig.parse(text)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    assert config is not None
+    return dataclasses.asdict(config)
 
 
 def _tier_fault(text: str) -> tuple[str, str]:
@@ -119,6 +132,15 @@ def add_engine_args(
         metavar="FRACTION",
         help="the share of the memory available after the weights that the KV pool takes "
         "(vLLM's name; default 0.25, at most 4GiB)",
+    )
+    e.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="publish the KV cache's contents as vLLM-format KV events for KV-aware routers "
+        "(vLLM's KVEventsConfig fields, e.g. '{\"enable_kv_cache_events\": true, "
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\')',
     )
     e.add_argument("--max-num-seqs", type=positive_int, default=None, help="running sequences at most (default 64)")
     e.add_argument(
@@ -240,6 +262,7 @@ def add_engine_args(
 
 ENGINE_KEYS = (
     "dtype",
+    "kv_events_config",
     "kv_cache_dtype",
     "max_model_len",
     "block_size",

@@ -27,6 +27,7 @@ from kvtier.engine.drift import DriftMonitor
 from kvtier.engine.input import check_max_tokens, check_prompt_fits, truncate_prompt
 from kvtier.engine.tenants import EngineTenants
 from kvtier.identity import ANONYMOUS, Tenancy
+from kvtier.kv_events import KVEventRecorder, ZmqEventPublisher
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.model.sampler import Sample, SampleRow, sample, top_logprobs
@@ -195,6 +196,8 @@ class EngineCore:
         """The online KV drift monitor (kvtier.engine.drift); None at sample rate 0."""
         self.tenants = EngineTenants(self.kv, self.tiers, self.runner.kv_bytes_per_block, self._store_blocks)
         """Purges, per-tenant TTLs, quotas and usage (kvtier.engine.tenants)."""
+        self.kv_events = self._start_kv_events(config)
+        """The KV event recorder and publisher (kvtier.kv_events); None when events are off."""
         self.admin = EngineAdmin(self)
         """What a serving front-end calls for purges, sweeps, usage, integrity checks and fleet
         keys (kvtier.engine.admin): its only way to the tiers and the tenant administration."""
@@ -408,6 +411,8 @@ class EngineCore:
         st.iteration_token_counts[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, out.num_batched_tokens)] += 1
         if self.drift is not None and not self._groups:
             self.drift.run_pending()  # going idle: no later step would pick these up
+        if self.kv_events is not None:
+            self.kv_events.flush()  # one batch per step; the publisher thread encodes and sends it
         return moved
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -572,9 +577,30 @@ class EngineCore:
         n = self.kv.pool.evict_all()
         if self.tiers is not None:
             self._store_blocks()  # write-back: what the device drops goes down first
+        if self.kv_events is not None:
+            self.kv_events.cleared_if_empty()
+            self.kv_events.flush()
         return n
 
+    def _start_kv_events(self, config: EngineConfig) -> KVEventRecorder | None:
+        """The recorder listening to the device pool's prefix index and every tier, with its
+        ZMQ publisher (KVEventsConfig: vLLM's fields and meaning)."""
+        ev = config.kv_events
+        if ev is None or not ev.enable_kv_cache_events:
+            return None
+        recorder = KVEventRecorder(self.kv.block_size, None)
+        if ev.enabled:  # publisher "null": recorded and dropped, as vLLM's NullEventPublisher
+            recorder.publisher = ZmqEventPublisher(ev, flush=recorder.flush)
+        self.kv.index.listener = recorder
+        if self.tiers is not None:
+            for name, tier in self.tiers.tiers.items():
+                tier.watch = recorder.tier_watch(name)
+        self.tenants.events = recorder
+        return recorder
+
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self.team is not None:
             self.team.stop_sampler()
         if self.tiers is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from kvtier.identity import tenant_of
+from kvtier.identity import owner_id, tenant_of
 from kvtier.kvcache.manager import KVCacheManager
 from kvtier.kvcache.prefix_index import CachedBlock
 
@@ -62,6 +62,8 @@ class EngineTenants:
         """Bytes of one device block's KV (usage reports)."""
         self._store_blocks = store_blocks
         """Writes the blocks the cache manager queued for the tiers down (EngineCore._store_blocks)."""
+        self.events: Any = None
+        """The engine's KV event recorder (kvtier.kv_events), told of purges; None: events off."""
         self.ttl_s: dict[str | None, float] = {}
         """Per-tenant time to live of cached KV, in every tier."""
         self.clock: Callable[[], float] = time.monotonic
@@ -82,6 +84,9 @@ class EngineTenants:
             "device_in_use": sum(1 for n in self.kv.index.nodes() if tenant_of(n.owner) == tenant),
         }
         future = self.admin.begin_purge(tenant, everywhere) if self.admin is not None else None
+        if self.events is not None:  # routers stop seeing the tenant's blocks on any medium
+            self.events.purge_owner(owner_id(tenant))
+            self.events.flush()
         return counts, future
 
     def begin_purge_all(self) -> tuple[dict[str, int], Future | None]:
@@ -89,6 +94,9 @@ class EngineTenants:
         counts = {"device": self.kv.pool.evict_all()}
         self.kv.take_blocks_to_store()  # a purge writes nothing down (write-back eviction log)
         future = self.admin.begin_purge_all() if self.admin is not None else None
+        if self.events is not None:
+            self.events.purge_all()
+            self.events.flush()
         return counts, future
 
     def purge(self, tenant: str | None) -> dict[str, Any]:

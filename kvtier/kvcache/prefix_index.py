@@ -22,13 +22,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.kvcache.keys import BlockKey
 from kvtier.kvcache.policy import EvictionPolicy, make_policy
 
 if TYPE_CHECKING:
     from kvtier.identity import Tenancy
+
+
+class IndexListener(Protocol):
+    """What a PrefixIndex tells of its changes (a block cached under a key, a key removed)."""
+
+    def stored(
+        self, key: BlockKey, parent: BlockKey, tokens: Sequence[int] | None, is_first: bool, owner: Any = None
+    ) -> None: ...
+
+    def removed(self, key: BlockKey) -> None: ...
 
 
 @dataclass(slots=True)
@@ -88,6 +98,9 @@ class PrefixIndex:
         # parent key -> first token -> child keys; lets partial matching skip unrelated children.
         self._children: dict[BlockKey, dict[int, list[BlockKey]]] = {}
         self.stats = IndexStats()
+        self.listener: IndexListener | None = None
+        """Told of every block cached and removed (kvtier.kv_events.KVEventRecorder); called on
+        the index's own thread, after the change."""
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
@@ -177,6 +190,8 @@ class PrefixIndex:
         if first_tok is not None:
             self._children.setdefault(parent, {}).setdefault(first_tok, []).append(key)
         self.stats.inserts += 1
+        if self.listener is not None:
+            self.listener.stored(key, parent, node.tokens, is_first, owner)
         return node
 
     def set_evictable(self, key: BlockKey) -> None:
@@ -243,6 +258,8 @@ class PrefixIndex:
                 if not by_first:
                     del self._children[node.parent]
         self.stats.evictions += 1
+        if self.listener is not None:
+            self.listener.removed(key)
         return node
 
     # ------------------------------------------------------------------ checks

@@ -210,6 +210,10 @@ class Tier(TierCounters, ABC):
     def __init__(self, name: str, *, faults: FaultConfig | None = None, health: HealthGate | None = None) -> None:
         super().__init__(faults)
         self.name = name
+        self.watch: Callable[[bytes, bool], None] | None = None
+        """Called as watch(key, present) after an entry is stored (True) or leaves (False) through
+        this tier's own operations: put, delete, eviction (kvtier.kv_events). Not for entries
+        another process writes or deletes, nor for a backend's own expiry."""
         self._gate = health or HealthGate()
         self._log_limiter = LogLimiter(clock=self._gate.clock)
         """Rate-limits this tier's WARNINGs (per topic: "down", an error kind, "corrupt")."""
@@ -430,6 +434,8 @@ class Tier(TierCounters, ABC):
             return False
         if stored:
             self._count(puts=1, bytes_written=len(payload), write_s=time.perf_counter() - t0)
+            if self.watch is not None:
+                self.watch(key, True)
         return stored
 
     def delete(self, key: bytes) -> bool:
@@ -441,6 +447,8 @@ class Tier(TierCounters, ABC):
             return False
         if existed:
             self._count(deletes=1)
+            if self.watch is not None:
+                self.watch(key, False)
         return existed
 
     def purge(self, keys: Iterable[bytes]) -> int:

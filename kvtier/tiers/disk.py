@@ -351,6 +351,8 @@ class DiskTier(Tier):
                     if key in self._index:
                         continue
                 self._unlink_quietly(self._path(key))
+            if self.watch is not None:
+                self.watch(key, False)
 
     # -- backend -------------------------------------------------------------------------------------
     def _error_kind(self, exc: BaseException) -> str:
