@@ -273,6 +273,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="who may read /metrics (default public; api_key: any key of --api-keys)",
     )
     s.add_argument(
+        "--metrics-names",
+        choices=("kvtier", "vllm", "both"),
+        default="both",
+        help="the prefix of /metrics series: kvtier:, vllm: (what vLLM's dashboards, alert rules "
+        "and KV-aware routers read) or both (default)",
+    )
+    s.add_argument(
         "--models-auth",
         choices=("public", "api_key", "admin"),
         default=None,
@@ -368,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         ttl_sweep_interval_s=args.ttl_sweep_interval_s,
         admin_key=read_admin_key(args.admin_key_file) if args.admin_key_file else None,
         metrics_auth=args.metrics_auth,
+        metrics_names=args.metrics_names,
         models_auth=args.models_auth or ("api_key" if args.api_key else "public"),
         strict_request_fields=args.strict_request_fields,
         header_timeout_s=args.header_timeout_s,

@@ -86,6 +86,9 @@ class ServerConfig:
     --api-keys. See tenancy.AdminAuth for who may call what."""
     metrics_auth: str = "public"
     """Who may read /metrics: 'public', 'api_key' (any valid key) or 'admin'."""
+    metrics_names: str = "both"
+    """The prefix of /metrics series: 'kvtier' (kvtier:...), 'vllm' (vllm:..., what vLLM's
+    dashboards, alert rules and KV-aware routers read) or 'both'."""
     models_auth: str = "public"
     """Who may read /v1/models: 'public', 'api_key' or 'admin'."""
     sampling_defaults: tuple[tuple[str, Any], ...] = ()
@@ -157,7 +160,7 @@ def build_app(
     tenants' TTLs and quotas there); the app starts it at startup and shuts it down at
     shutdown. `request_log`: a RequestLog or None."""
     async_engine = engine
-    metrics = ServerMetrics(async_engine.stats_now, model_name=config.served_model_name)
+    metrics = ServerMetrics(async_engine.stats_now, model_name=config.served_model_name, names=config.metrics_names)
 
     def on_finished(out: Any, itl_s: list[float]) -> None:
         metrics.observe_finished(out, itl_s)

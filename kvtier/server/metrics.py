@@ -59,6 +59,7 @@ own hit rate.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -70,6 +71,9 @@ from kvtier.outputs import RequestOutput
 from kvtier.tiers.hierarchy import TIER_ORDER
 
 PREFIX = "kvtier:"
+METRIC_NAMES = ("kvtier", "vllm", "both")
+"""--metrics-names: the prefixes /metrics shows (vLLM's `vllm:` for its dashboards and routers)."""
+_VLLM_NAMES = re.compile(rb"^((?:# (?:HELP|TYPE) )?)kvtier:", re.MULTILINE)
 
 TTFT_BUCKETS_S = (
     0.001,
@@ -352,9 +356,14 @@ class ServerMetrics:
     engine's counters at render time (EngineClient.stats_now, or an EngineAdmin's `stats`).
     Every series carries `model_name`."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: str = "kvtier") -> None:
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], model_name: str = "kvtier", names: str = "both"
+    ) -> None:
+        if names not in METRIC_NAMES:
+            raise ValueError(f"metrics names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
         self.registry = CollectorRegistry()
         self.model_name = model_name
+        self.names = names
         self.registry.register(LabelledCollector(EngineCollector(stats), {"model_name": model_name}))
         r = self.registry
         m = ["model_name"]
@@ -489,7 +498,13 @@ class ServerMetrics:
         self.structured_errors.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The exposition text, under `kvtier:`, `vllm:` or both (`names`): with both, every
+        family once per prefix, each family's lines together as the format requires."""
+        text = generate_latest(self.registry)
+        if self.names == "kvtier":
+            return text
+        renamed = _VLLM_NAMES.sub(rb"\1vllm:", text)
+        return renamed if self.names == "vllm" else text + renamed
 
 
 def _deepest_tier(by_tier: dict[str, int]) -> str | None:

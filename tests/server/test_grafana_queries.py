@@ -88,6 +88,14 @@ def test_vllm_dashboard_queries_get_data(server):
                 assert sum(now) > sum(was), f"{series} did not move for {query!r}"
     for name in MORE_SERIES:
         assert sum(_values(after, "kvtier:" + name, MODEL_NAME)) > 0, name
+    # by default every series is there under vLLM's own prefix too, with the same value: vLLM's
+    # dashboard, alert rules and routers read them unchanged
+    for (n, labels), v in after.items():
+        if n.startswith("kvtier:") and "_created" not in n:
+            twin = after.get(("vllm:" + n.removeprefix("kvtier:"), labels))
+            assert twin == v, n
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert _values(after, "vllm:" + name, MODEL_NAME), name
     info = [labels for (n, labels) in after if n == "kvtier:cache_config_info"]
     assert info and dict(info[0])["block_size"] == "4"
     # the engine's tier series keep their own labels beside model_name
