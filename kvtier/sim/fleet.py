@@ -186,6 +186,8 @@ class FleetSimulator:
         self._imbalance_sum = 0.0
         self._imbalance_n = 0
         self._sent: list[set[bytes]] = [set() for _ in range(n)]  # prefix router's trees
+        self.routed_to: list[int] = []
+        """The instance each request went to, in replay order."""
         self._elapsed = 0.0
 
     # ------------------------------------------------------------------ replay
@@ -212,6 +214,7 @@ class FleetSimulator:
             i = self._route(req, loads)
             outcome = self.sims[i].handle(req)
             self._routed[i] += 1
+            self.routed_to.append(i)
             self._hit_tokens[i] += outcome.hit_tokens
             heapq.heappush(self._in_flight[i], now + outcome.prefill_s + req.output_length * decode)
             if self.routing == "prefix":
