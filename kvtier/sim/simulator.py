@@ -207,7 +207,7 @@ class SimPoint:
     promotions: int = 0
     """Disk and remote hits copied into host on restore."""
     demotions: int = 0
-    """Host evictions written down to disk (write_back)."""
+    """Host evictions written down to disk and remote (write_back)."""
     load_failures: int = 0
     """Planned restores that found the block gone (a promotion evicted it): recomputed."""
     oversized_requests: int = 0
@@ -334,14 +334,14 @@ class TraceSimulator:
 
     Contract: `replay(requests)` runs the requests one at a time in the order given, each alone
     and to completion (every block freed, its stores done) before the next (`handle` runs one
-    and says what it got); call it repeatedly to feed more. `result()` gives the counts so far (a SimPoint, updated in place by later
-    replays). Between calls no request holds a block, which `check_integrity()` asserts. One
+    and says what it got); call it repeatedly to feed more. `result()` gives the counts so far
+    (a SimPoint, updated in place by later replays). Between calls no request holds a block, which `check_integrity()` asserts. One
     simulator is not thread-safe; nothing in it reads a clock except `sim_seconds`.
 
     `config` (a SimConfig) and keyword overrides of its fields: TraceSimulator(8, host_blocks=4).
     `shared_remote`: the remote tier to use, one object shared by the instances of a simulated
     fleet (kvtier/sim/fleet.py; default: a tier of its own when the config has a remote
-    capacity); `instance`: this simulator's number in the fleet (0..63), which the shared tier
+    capacity); `instance`: this simulator's number in the fleet (from 0), which the shared tier
     records as the writer of what it stores."""
 
     def __init__(

@@ -14,6 +14,7 @@ import pytest
 
 from kvtier.sim import SimConfig, TraceSimulator, ideal_token_hit_rate, load_trace
 from kvtier.sim.fleet import ROUTINGS, FleetSimulator, RouterConfig, simulate_fleet, sum_points
+from kvtier.sim.tiers import SharedMemoryTier
 
 REPO = Path(__file__).resolve().parents[2]
 BT = 4
@@ -148,6 +149,21 @@ def test_own_remote_blocks_are_not_cross_instance():
     assert fleet.routed_to == [0, 1, 0, 1, 0]
     assert res["remote_hit_blocks"] == 4 and res["device_hit_blocks"] == 0
     assert res["cross_instance_hit_blocks"] == 0
+
+
+def test_shared_tier_remembers_its_writers_until_eviction():
+    t = SharedMemoryTier(200)  # two 100-byte entries
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    t.writer = 0
+    t.put(a, bytes(100))
+    t.writer = 1
+    t.put(a, bytes(100))
+    assert not t.stored_by_other(a, 0) and not t.stored_by_other(a, 1) and t.stored_by_other(a, 2)
+    t.put(b, bytes(100))
+    t.put(c, bytes(100))  # evicts a
+    assert t.contains_prefix([a], count=False) == 0 and not t.stored_by_other(a, 2)  # gone
+    t.put(a, bytes(100))  # a new entry: instance 0's old write no longer counts
+    assert t.stored_by_other(a, 0) and not t.stored_by_other(a, 1)
 
 
 def test_shared_tier_heals_round_robin():
