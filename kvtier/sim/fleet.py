@@ -23,19 +23,25 @@ Routing policies (`ROUTINGS`), each choosing one instance per request at its arr
                  (here the set of chained block keys, which is that tree), not of what the
                  instance still holds: its evictions are invisible. The instance with the
                  longest match wins if matched tokens / input tokens >= `cache_threshold`
-                 (default 0.5, vllm-router's), else the least loaded; and if the load is
-                 imbalanced (max - min > `balance_abs_threshold` (32) and max >
+                 (default 0.5), else the instance with the smallest tree (fewest blocks sent:
+                 the most room, as those routers pick; ties: least loaded); and if the load
+                 is imbalanced (max - min > `balance_abs_threshold` (32) and max >
                  `balance_rel_threshold` (1.5) x min) the least loaded, whatever the match.
-                 The tree grows without bound (the real ones trim it to a size limit).
+                 The routers' own defaults differ between versions (threshold 0.3-0.5,
+                 absolute 32-64): set them to the router you run. The tree grows without
+                 bound (the real ones trim it to a size limit now and then).
     kv_aware     what a router fed by KV events knows: what each instance holds right now, its
                  device prefix (the PrefixIndex) plus, weighted by `host_weight` (0.5), the
                  host tier's blocks after it; the highest score wins, ties and all-zero scores
                  go to the least loaded, and the same imbalance guard as `prefix` applies.
     oracle       the instance where the request gets the most hit tokens: its device prefix,
                  plus what `plan_restore` would restore there from host, disk and the shared
-                 tier (the cost model's choice); ties go to the least loaded; no load guard.
-                 An upper bound for a router that knows everything but still sends each
-                 request to one instance, and decides greedily (one request at a time).
+                 tier (the cost model's choice); ties go to the one that restores fastest
+                 (more on device), then the least loaded; the same imbalance guard (without
+                 it, greedy affinity piles every request that shares a first block onto one
+                 instance and thrashes its pool). A router that knows everything but sends
+                 each request to one instance, deciding one request at a time: a greedy
+                 bound for the routers above, not a proven optimum over all routings.
 
 "Least loaded": fewest requests in flight, then fewest requests routed so far, then the lowest
 instance number (so a fleet with nothing in flight still spreads new prefixes).
@@ -74,9 +80,9 @@ class RouterConfig:
     """The routers' knobs and the load model's decode speed."""
 
     cache_threshold: float = 0.5
-    """prefix: route by match when matched / input tokens >= this (vllm-router's default)."""
+    """prefix: route by match when matched / input tokens >= this."""
     balance_abs_threshold: int = 32
-    """prefix, kv_aware: imbalanced when max load - min load > this (vllm-router's default) ..."""
+    """prefix, kv_aware, oracle: imbalanced when max load - min load > this ..."""
     balance_rel_threshold: float = 1.5
     """... and max load > this x min load; then the least loaded instance gets the request."""
     host_weight: float = 0.5
@@ -255,7 +261,8 @@ class FleetSimulator:
         best = max(matched)
         if best and best / req.input_length >= self.router.cache_threshold:
             return self._least_loaded(loads, [i for i, m in enumerate(matched) if m == best])
-        return self._least_loaded(loads)
+        smallest = min(len(sent) for sent in self._sent)
+        return self._least_loaded(loads, [i for i, sent in enumerate(self._sent) if len(sent) == smallest])
 
     def _kv_aware(self, req: SimRequest, loads: list[int]) -> int:
         if self._imbalanced(loads):

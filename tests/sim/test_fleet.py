@@ -187,6 +187,9 @@ def test_prefix_router_threshold_and_blind_to_evictions():
     # 1 of 4 blocks matches instance 0 (0.25 < 0.5): least loaded, then fewest routed; 3 of 4: instance 0
     assert routes(base).routed_to == [0, 1, 0]
     assert routes(base, cache_threshold=0.2).routed_to == [0, 0, 0]
+    # below the threshold: the smallest tree (fewest blocks sent), not the fewest requests
+    small = [rec([1, 2, 3, 4, 5, 6], ts=0), rec([7], ts=1000), rec([8], ts=2000)]
+    assert routes(small).routed_to == [0, 1, 1]
     # instance 0 evicted [1, 2, 3, 4] for [9 ..]; the router only knows it sent it there
     evicting = [rec([1, 2, 3, 4], ts=0), rec([5, 6, 7, 8], ts=1000), rec([9, 10, 11, 12], ts=2000)]
     fleet = routes([*evicting, rec([1, 2, 3, 4], ts=3000)])
