@@ -2,8 +2,8 @@
 
 Default speeds are the ones measured on the project's benchmark machine (docs/benchmarks.md,
 "TTFT by where the KV comes from", reference model, 2,048-token prefix; the figures live there):
-restore throughput from host memory and from local disk, read plus copy into the pool, and
-recompute time per prefill token.
+restore throughput from host memory, from local disk and from Redis (reads pipelined 32 at a
+time), read plus copy into the pool, and recompute time per prefill token.
 """
 
 from __future__ import annotations
@@ -32,16 +32,26 @@ class TierSpeeds:
     """Restore throughput from the disk tier (read + decode + copy into the pool)."""
     disk_latency_s: float = 1e-4
     """Per restore job touching the disk tier."""
+    remote_bytes_per_s: float = 0.8e9
+    """Restore throughput from the shared remote tier (Redis: pipelined reads + decode + copy)."""
+    remote_latency_s: float = 5e-4
+    """Per restore job touching the remote tier (a network round trip)."""
     prefill_s_per_token: float = DEFAULT_PREFILL_S_PER_TOKEN
     """Prefill cost per new token (a in t = a*n + b*n*(c + n/2))."""
     prefill_s_per_token_pair: float = 0.0
     """Attention cost per (new token, context token) pair (b in the same model)."""
 
     def __post_init__(self) -> None:
-        for name in ("host_bytes_per_s", "disk_bytes_per_s"):
+        for name in ("host_bytes_per_s", "disk_bytes_per_s", "remote_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("host_latency_s", "disk_latency_s", "prefill_s_per_token", "prefill_s_per_token_pair"):
+        for name in (
+            "host_latency_s",
+            "disk_latency_s",
+            "remote_latency_s",
+            "prefill_s_per_token",
+            "prefill_s_per_token_pair",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
@@ -67,6 +77,12 @@ class SimConfig:
     as the file system allocates it (whole disk_alloc_bytes units), as the disk tier counts it."""
     disk_alloc_bytes: int = 4096
     """The disk file system's allocation unit (st_blksize: 4096 on ext4, xfs and tmpfs)."""
+    remote_blocks: int | None = None
+    """Remote tier (Redis) capacity in blocks (or give remote_bytes). In a simulated fleet
+    (kvtier.sim.fleet) one remote tier is shared by every instance."""
+    remote_bytes: int | None = None
+    """Remote tier capacity in bytes; an entry is a frame of block_bytes + 100 bytes (Redis
+    counts value lengths: no allocation unit)."""
     write_policy: str = "write_through"
     """'write_through', 'write_back' or 'selective', as the engine's cache_write_policy."""
     selective_min_hits: int = 2
@@ -82,7 +98,7 @@ class SimConfig:
             raise ValueError(f"block_bytes must be positive, got {self.block_bytes}")
         if self.policy not in ("lru", "lfu"):
             raise ValueError(f"policy must be 'lru' or 'lfu', got {self.policy!r}")
-        for tier in ("host", "disk"):
+        for tier in ("host", "disk", "remote"):
             blocks, nbytes = getattr(self, f"{tier}_blocks"), getattr(self, f"{tier}_bytes")
             if blocks is not None and nbytes is not None:
                 raise ValueError(f"give {tier}_blocks or {tier}_bytes, not both")
@@ -125,5 +141,15 @@ class SimConfig:
         return -(-self.frame_bytes // unit) * unit
 
     @property
+    def remote_cache_bytes(self) -> int | None:
+        if self.remote_blocks is not None:
+            return self.remote_blocks * self.frame_bytes
+        return self.remote_bytes
+
+    @property
+    def has_remote(self) -> bool:
+        return bool(self.remote_cache_bytes)
+
+    @property
     def has_tiers(self) -> bool:
-        return bool(self.host_cache_bytes or self.disk_cache_bytes)
+        return bool(self.host_cache_bytes or self.disk_cache_bytes or self.remote_cache_bytes)

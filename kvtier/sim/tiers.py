@@ -3,6 +3,7 @@
     simulator ──> SimHierarchy (= TierHierarchy: runs, loads, stores, promotion, demotion)
                       │ host:  HostTier            (the engine's class; entries hold a marker)
                       │ disk:  MemoryTier          (DiskTier's LRU index, no files)
+                      │ remote: SharedMemoryTier   (Redis: one index a simulated fleet shares)
                       │ I/O:   SerialExecutor      (one worker, run in the caller's thread)
                       v
                   stats: TierStats per tier, HierarchyStats (the engine's counters)
@@ -190,6 +191,33 @@ class MemoryTier(Tier):
 
     def forget_owner(self, owner_id: str) -> None:
         pass
+
+
+class SharedMemoryTier(MemoryTier):
+    """The remote tier (Redis) as the simulator sees it: a MemoryTier that every instance of a
+    simulated fleet holds the same object of, so a block one instance stores is restorable by
+    every other. It remembers which instances wrote each entry since it was last inserted
+    (`writer`: the instance whose request runs now, set by the simulator before each request;
+    stores run in that request), so a restore can tell a block this instance never stored
+    (`stored_by_other`: a cross-instance hit) from one it stored itself. `alloc_bytes=1`:
+    Redis counts value lengths."""
+
+    def __init__(self, capacity_bytes: int, name: str = "remote", alloc_bytes: int = 1) -> None:
+        super().__init__(capacity_bytes, name=name, alloc_bytes=alloc_bytes)
+        self.writer = 0
+        self._writers: dict[bytes, int] = {}  # key -> bit mask of the instances that wrote it
+
+    def _put(self, key: bytes, payload: Any, ttl_s: float | None) -> bool:
+        fresh = key not in self._index  # an entry evicted since is a new entry: its writers restart
+        stored = super()._put(key, payload, ttl_s)
+        if stored:
+            bit = 1 << self.writer
+            self._writers[key] = bit if fresh else self._writers.get(key, 0) | bit
+        return stored
+
+    def stored_by_other(self, key: bytes, instance: int) -> bool:
+        """`key` is held and `instance` did not write it (another instance did)."""
+        return key in self._index and not self._writers.get(key, 0) >> instance & 1
 
 
 class SimHierarchy(TierHierarchy):
