@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -223,7 +224,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     details = usage.get("prompt_tokens_details") or {}
     return {
         "ttft": times[0],
-        "itl": [b - a for a, b in zip(times, times[1:])],
+        "itl": [b - a for a, b in itertools.pairwise(times)],
         "prompt_tokens": usage["prompt_tokens"],
         "cached": details.get("cached_tokens") or 0,
         "by_tier": details.get("cached_tokens_by_tier") or {},
