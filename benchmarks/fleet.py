@@ -80,14 +80,14 @@ def trace_prompts(path: Path, start: int, n: int, tokens_per_id: int, vocab: int
     records = read_trace(path, limit=start + n)[start:]
     if not records:
         raise ValueError(f"no requests in {path} from {start}")
-    t0 = records[0].timestamp
+    t0 = records[0].time_ms
     out = []
     for r in records:
         words = []
         for h in r.hash_ids:
             rng = random.Random(h)
             words += [f"w{rng.randrange(3, vocab)}" for _ in range(tokens_per_id)]
-        out.append(((r.timestamp - t0) / 1000.0, " ".join(words), r.output_length))
+        out.append(((r.time_ms - t0) / 1000.0, " ".join(words), r.output_length or 1))
     return out
 
 
