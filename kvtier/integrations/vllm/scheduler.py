@@ -212,6 +212,7 @@ class SchedulerSide:
         prefill features (timed by the workers)."""
         meta = KVTierMetadata(loads=self.pending_loads)
         self.pending_loads = []
+        self._take_purges(self.purges.take())  # a purged tenant's blocks are saved again
         x0 = x1 = 0.0
         prefill = False
         for req_id, computed, n in _scheduled(scheduler_output):

@@ -95,8 +95,10 @@ class WorkerSide:
         """Guards what the load threads and the host tier's watch hand to vLLM's thread."""
         self._done: dict[str, tuple[int, list[int]]] = {}
         """Loads finished and not reported yet: req_id -> (blocks arrived, vLLM blocks failed)."""
-        self._reported: dict[str, tuple[int, list[int]]] = {}
-        """The loads `take_finished_loads` reported this step (their errors and counts follow)."""
+        self._errors: set[int] = set()
+        """Failed vLLM blocks of the loads `take_finished_loads` reported (take_load_errors)."""
+        self._loaded: dict[str, int] = {}
+        """Blocks arrived of the loads `take_finished_loads` reported (take_worker_meta)."""
         self._host_added: list[bytes] = []
         self._host_removed: list[bytes] = []
         self._prefill: list[tuple[float, float, float]] = []
@@ -254,12 +256,15 @@ class WorkerSide:
         counts are handed out by the next take_load_errors / take_worker_meta."""
         with self._lock:
             done, self._done = self._done, {}
-            self._reported.update(done)
+            for req_id, (arrived, failed) in done.items():
+                self._loaded[req_id] = arrived
+                self._errors.update(failed)
         return set(done) or None
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
-            return {b for _, failed in self._reported.values() for b in failed}
+            errors, self._errors = self._errors, set()
+        return errors
 
     # -- saves -------------------------------------------------------------------------------------
     def save(self, meta: KVTierMetadata) -> None:
@@ -283,9 +288,8 @@ class WorkerSide:
         """This step's report to the scheduler process (None: nothing new)."""
         purged = self.purges.take() if self.purges is not None else []
         with self._lock:
-            loaded = {req_id: arrived for req_id, (arrived, _) in self._reported.items()}
-            meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, loaded, purged)
-            self._host_added, self._host_removed, self._prefill, self._reported = [], [], [], {}
+            meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, self._loaded, purged)
+            self._host_added, self._host_removed, self._prefill, self._loaded = [], [], [], {}
             dirty, self._speeds_dirty = self._speeds_dirty, False
             h2d, self._h2d = self._h2d, (0.0, 0.0)
         if dirty and self.tiers is not None:
