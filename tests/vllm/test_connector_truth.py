@@ -115,7 +115,8 @@ def test_purge_then_request_plans_no_restore(runs):
     # nothing was planned for the purged tenant: no restore planned, no load that failed
     for name in ("planned_hit_tokens", "decisions_restore", "loads", "load_failures", "failed_hit_tokens"):
         assert _m(p[2], name) == _m(p[1], name), (name, p[1]["metrics"], p[2]["metrics"])
-    assert _m(p[1], "load_failures") == 0
+    assert _m(p[1], "load_failures") == 0 and _m(p[3], "load_failures") == 0
+    assert _m(p[3], "load_blocks") == _m(p[3], "host_hit_blocks") == 8, p[3]["metrics"]
     assert p[0]["outputs"] == p[1]["outputs"] == p[2]["outputs"] == p[3]["outputs"]
     assert "purged tenant" in runs["purge"]["log"]
 
@@ -137,8 +138,9 @@ def test_cli_purge_leaves_the_workers_disk_index_true(runs):
 def test_hit_tokens_count_tokens_that_arrived_and_tier_gauges(runs):
     run = runs["purge"]
     metrics = run["metrics"]
-    arrived = sum(sum(ph["cached"]) for ph in run["phases"])  # vLLM's prefix cache is reset before each revisit
-    assert arrived == 2 * FULL
+    # vLLM's prefix cache is reset before each revisit, and no load failed: what was cached arrived
+    arrived = sum(sum(ph["cached"]) for ph in run["phases"])
+    assert arrived == 2 * FULL and metrics["vllm:kvtier_load_failures"] == 0, metrics
     assert metrics["vllm:kvtier_hit_tokens"] == arrived, metrics
     assert metrics["vllm:kvtier_planned_hit_tokens"] == arrived, metrics
     assert metrics.get("vllm:kvtier_failed_hit_tokens", 0) == 0, metrics
@@ -155,8 +157,12 @@ def test_corrupt_chain_is_repaired_in_one_visit(runs):
     assert p[2]["cached"] == [FULL], "the second revisit is a full restore"
     assert p[3]["cached"] == [FULL]
     assert p[0]["outputs"] == p[1]["outputs"] == p[2]["outputs"] == p[3]["outputs"]
-    # one failed load (the damaged visit) and no more: later revisits plan only what arrives
+    # vLLM's num_cached_tokens counts a connector's planned tokens even when some fail to load:
+    # the workers' counts say what arrived. One failed load (the damaged visit) and no more:
+    # the later revisits bring all 4 blocks each
     assert _m(p[1], "load_failures") == 1 and _m(p[3], "load_failures") == 1, p[3]["metrics"]
+    assert _m(p[1], "load_blocks") == 0 and _m(p[2], "disk_hit_blocks") == 4, p[2]["metrics"]
+    assert _m(p[3], "load_blocks") == _m(p[3], "disk_hit_blocks") == 8, p[3]["metrics"]
     assert _m(p[1], "corrupt_blocks") == 1, p[1]["metrics"]
 
 
