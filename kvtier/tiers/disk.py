@@ -322,6 +322,25 @@ class DiskTier(Tier):
     def forget_owner(self, owner_id: str) -> None:
         self._unlink_quietly(self._owner_path(owner_id))
 
+    def forget_missing(self) -> int:
+        """Drop from the index every entry whose file is gone: another process (`kvtier cache
+        purge`) deleted it behind this one's back. Without it the index keeps counting the
+        space and answering lookups for those keys, and a later put of one of them is skipped
+        as already stored. One stat per entry, outside `_lock`; returns how many were dropped."""
+        with self._lock:
+            keys = list(self._index)
+        dropped = 0
+        for key in keys:
+            path = self._path(key)
+            if path.exists():
+                continue
+            with self._key_lock(key):  # a put installs under it: a file back meanwhile is newer
+                if path.exists():
+                    continue
+                with self._lock:
+                    dropped += self._forget(key)
+        return dropped
+
     @staticmethod
     def _unlink_quietly(path: str | Path) -> None:
         try:

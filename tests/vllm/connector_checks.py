@@ -50,8 +50,64 @@ def main() -> None:
     m2 = kv.KVTierWorkerMeta(1, [b"k" * 16], [], [], {"host": (1e9, 0.02)}, {"r": 3})
     m = m1.aggregate(m2)
     out["meta"] = [m.rank_reports, len(m.host_added), m.speeds["host"], m.loaded["r"]]
+    out["meta_purged"] = kv.KVTierWorkerMeta(purged=["t1"]).aggregate(kv.KVTierWorkerMeta(purged=["t2", "t1"])).purged
+    out["gauges"] = _gauges()
+    out["mirror"] = _host_mirror_purge()
     out["lookup"] = _lookup_as_hierarchy()
     print(json.dumps(out))
+
+
+def _gauges() -> dict:
+    """A gauge is each rank's latest value summed over ranks: in the stats vLLM aggregates over
+    ranks and steps, and on /metrics across steps where only some ranks report."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+    import kvtier.integrations.vllm as kv
+
+    r0, r1, r0_later = kv.KVTierStats(), kv.KVTierStats(), kv.KVTierStats()
+    r0.set_gauge("disk_usage_bytes", 0, 100)
+    r1.set_gauge("disk_usage_bytes", 1, 50)
+    r0_later.set_gauge("disk_usage_bytes", 0, 120)
+    r0_later.add("hit_tokens", 128)
+    logged = kv.KVTierStats().aggregate(r0).aggregate(r1).aggregate(r0_later).reduce()
+    prom = kv.KVTierPromMetrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: Counter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    seen = []
+    for step in (r0.aggregate(r1), r0_later):
+        prom.observe(step.data, 0)
+        seen.append(REGISTRY.get_sample_value("vllm:kvtier_disk_usage_bytes", {"engine": "0"}))
+    empty = kv.KVTierStats()
+    return {
+        "logged": logged,
+        "prom": seen,
+        "hits": REGISTRY.get_sample_value("vllm:kvtier_hit_tokens_total", {"engine": "0"}),
+        "empty": empty.is_empty(),
+    }
+
+
+def _host_mirror_purge() -> list:
+    """The scheduler's host mirror drops a purged tenant's keys at once (it noted each key's
+    tenant when it planned the key's store), and a worker's later report of their removal is
+    a no-op."""
+    from kvtier.integrations.vllm.lookup import HostMirror
+
+    mirror = HostMirror(2)
+    a, b = [bytes([i]) * 16 for i in range(2)], [bytes([9 + i]) * 16 for i in range(2)]
+    mirror.note_owner(a, "tenant-a")
+    mirror.note_owner(b, "tenant-b")
+    mirror.update(a + b + a + b, [])  # two ranks report adds
+    before = [mirror.contains_prefix(a), mirror.contains_prefix(b)]
+    dropped = mirror.drop_owner("tenant-a")
+    after = [mirror.contains_prefix(a), mirror.contains_prefix(b)]
+    mirror.update([], a)  # a rank's report of the purge, after the scheduler's own poll
+    late = [mirror.contains_prefix(a), mirror.contains_prefix(b), len(mirror.ranks)]
+    return [before, dropped, after, late]
 
 
 def _lookup_as_hierarchy() -> list:

@@ -6,8 +6,13 @@ spec: {"model": dir, "dtype": "float32", "kv_cache_bytes": int, "connector": {ex
        "max_num_seqs": 8, "max_model_len": 1024, "block_size": 128,
        "phases": [{"prompts": [[ids...], ...], "max_tokens": 8, "salts": [..] | null,
                    "before": {"kill_pid": int} | {"corrupt_dir": dir} |
-                             {"wait_files": {"dir": dir, "count": n, "timeout_s": s}} | null}, ...]}
-out:  {"phases": [{"outputs": [[ids...]], "cached": [n...], "seconds": s, "ttft": [...]}], "stats": {...}}
+                             {"wait_files": {"dir": dir, "count": n, "timeout_s": s}} |
+                             {"count_files": {"dir": dir, "count": n, "timeout_s": s}} |
+                             {"purge": {"salt": .., "disk_cache_dir": .., "wait_s": s}} |
+                             {"reset_prefix_cache": true} | null}, ...]}
+out:  {"phases": [{"outputs": [[ids...]], "cached": [n...], "seconds": s, "ttft": [...],
+                   "metrics": {kvtier metrics after the phase}, "files": n (count_files)}],
+       "metrics": {...}}
 
 Every phase's prompts are submitted together (one generate call); greedy decoding.
 """
@@ -45,8 +50,28 @@ def _wait_files(dir: str, count: int, timeout_s: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def _count_files_until(dir: str, count: int, timeout_s: float = 60.0) -> int:
+    """The entries in `dir` once there are `count` (or after `timeout_s`: however many there are,
+    for the test to assert on)."""
+    deadline = time.monotonic() + timeout_s
+    while (found := _count_files(dir)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
+
+
+def _kvtier_metrics(llm) -> dict:
+    out = {}
+    for metric in llm.get_metrics():
+        if "kvtier" in metric.name:
+            out[metric.name] = getattr(metric, "value", None)
+    return out
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
+    import kvtier
+
+    print(f"kvtier imported from {os.path.dirname(os.path.abspath(kvtier.__file__))}", flush=True)
     from vllm import LLM, SamplingParams
 
     kwargs = dict(
@@ -71,6 +96,7 @@ def main() -> None:
         before = phase.get("before") or {}
         if "wait_files" in before:  # the connector writes to disk asynchronously: wait for its files
             _wait_files(**before["wait_files"])
+        num_files = _count_files_until(**before["count_files"]) if "count_files" in before else None
         if "kill_pid" in before:
             os.kill(int(before["kill_pid"]), 9)
             time.sleep(0.2)
@@ -90,10 +116,7 @@ def main() -> None:
             args = dict(before["purge"])
             wait_s = float(args.pop("wait_s", 1.0))
             out.setdefault("purges", []).append(purge_stored(args.pop("salt"), **args))
-            time.sleep(wait_s)  # the workers poll purge requests (purge_check_interval_s)
-            llm.generate(
-                [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1, detokenize=False), use_tqdm=False
-            )  # one step: the scheduler learns what the workers dropped
+            time.sleep(wait_s)  # the workers and the scheduler poll purge requests (purge_check_interval_s)
         if before.get("reset_prefix_cache"):
             assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
         params = SamplingParams(
@@ -125,13 +148,14 @@ def main() -> None:
                 "cached": [r.num_cached_tokens for r in results],
                 "seconds": seconds,
                 "ttft": ttft,
+                "files": num_files,
             }
         )
+        if phase.get("metrics"):
+            out["phases"][-1]["metrics"] = _kvtier_metrics(llm)
     out["metrics"] = {}
     try:
-        for metric in llm.get_metrics():
-            if "kvtier" in metric.name:
-                out["metrics"][metric.name] = getattr(metric, "value", None)
+        out["metrics"] = _kvtier_metrics(llm)
     except Exception as e:
         out["metrics_error"] = repr(e)
     json.dump(out, open(sys.argv[2], "w"))

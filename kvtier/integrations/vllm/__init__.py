@@ -19,7 +19,8 @@ worth reading back. vLLM runs the connector twice, often in two processes:
            |  KVTierMetadata (loads, stores,              saves: copy newly full blocks out of
            v  this step's prefill work) -------------->     vLLM's blocks after the forward
            ^  (metadata.py)                                 and hand them to the hierarchy
-           '------ KVTierWorkerMeta (host keys in/out, measured speeds, failed loads)
+           '------ KVTierWorkerMeta (host keys in/out, measured speeds, what each load
+                   brought, tenants purged)
 
 - Keys: kvtier's chain (kvcache/keys.py) over vLLM's blocks, rooted in a fingerprint of the
   model, dtypes, block size, KV layout and parallel layout, and in the request's `cache_salt`
@@ -34,6 +35,14 @@ worth reading back. vLLM runs the connector twice, often in two processes:
   WAITING_FOR_REMOTE_KVS while others run, and `get_finished` reports it done. A block that
   does not arrive (a miss, a corrupt frame, a tier down) is reported by
   `get_block_ids_with_load_errors`, and vLLM recomputes from there: never wrong KV.
+- What the scheduler plans from is what the workers hold: a load that comes up short drops the
+  blocks after its first missing one from the worker's tiers (recomputed and stored again: a
+  corrupt chain is repaired in one visit), and both sides poll `kvtier cache purge` requests
+  (purges.py): the scheduler drops the purged tenant's keys from its host mirror before its next
+  lookup, the workers purge their host tier and drop the deleted files from their disk index.
+- Counters and gauges (stats.py) on vLLM's /metrics: `hit_tokens` counts tokens that arrived,
+  `planned_hit_tokens` the plans; the tiers' usage, bytes written, evictions and purges as
+  kvtier's own server shows them.
 - Saves copy each newly full block out of vLLM's pool in `wait_for_save` (after the step's
   forward), so vLLM may free a finished request's blocks at once; the disk and Redis writes
   run in the background.

@@ -32,7 +32,7 @@ EXTRA_CONFIG_KEYS = {
     "io_threads": "background I/O workers per rank (default 2)",
     "max_pending_stores": "queued disk/Redis writes beyond this are dropped (default 4096)",
     "remote_lookup_wait_ms": "how long one scheduling pass waits for a Redis lookup (default 5)",
-    "purge_check_interval_s": "how often workers look for purge requests (default 1.0)",
+    "purge_check_interval_s": "how often the workers and the scheduler look for purge requests (default 1.0)",
 }
 
 

@@ -3,7 +3,8 @@
 
 The tiers live in the worker processes; the scheduler answers lookups from what it can see:
 
-    host     a mirror of the keys in every rank's host tier (the workers report adds/removes)
+    host     a mirror of the keys in every rank's host tier (the workers report adds/removes;
+             a purge drops its tenant's keys at once)
     disk     each rank's entry files (the same paths the disk tiers write)
     Redis    every rank's RemoteTier, asked in the background (`remote_prefix`)
 
@@ -22,6 +23,7 @@ from typing import Any
 
 from kvtier.cost.model import CostModel, TierRun
 from kvtier.tiers.disk import entry_path
+from kvtier.tiers.fence import ALL
 from kvtier.tiers.hierarchy import TierConfig
 from kvtier.tiers.runs import PrefixIndex, stored_runs
 
@@ -36,11 +38,14 @@ def _leading(present: Callable[[bytes], bool], keys: list[bytes]) -> int:
 
 
 class HostMirror:
-    """Keys in the workers' host tiers: key -> ranks holding it (each rank reports its own)."""
+    """Keys in the workers' host tiers: key -> ranks holding it (each rank reports its own), and
+    key -> owner id for the keys the scheduler planned a store or load of (their tenant), so a
+    purge drops the tenant's keys here at once, before any worker reports it."""
 
     def __init__(self, world: int) -> None:
         self.world = world
         self.ranks: dict[bytes, int] = {}
+        self.owners: dict[bytes, str] = {}
 
     def update(self, added: list[bytes], removed: list[bytes]) -> None:
         for key in added:
@@ -51,6 +56,28 @@ class HostMirror:
                 self.ranks[key] = n
             else:
                 self.ranks.pop(key, None)
+                self.owners.pop(key, None)
+        if len(self.owners) > 2 * len(self.ranks) + 4096:  # planned, never reported (a dropped store)
+            self.owners = {k: o for k, o in self.owners.items() if k in self.ranks}
+
+    def note_owner(self, keys: list[bytes], oid: str) -> None:
+        """Keys of tenant `oid` are (about to be) in the workers' host tiers."""
+        for key in keys:
+            self.owners[key] = oid
+
+    def drop_owner(self, oid: str) -> int:
+        """Forget every key of tenant `oid` (ALL: every key): it was purged. Returns how many.
+        A worker's later report of a key's removal finds it gone, which is a no-op."""
+        if oid == ALL:
+            n = len(self.ranks)
+            self.ranks.clear()
+            self.owners.clear()
+            return n
+        gone = [k for k, o in self.owners.items() if o == oid]
+        for key in gone:
+            self.owners.pop(key, None)
+            self.ranks.pop(key, None)
+        return len(gone)
 
     def __contains__(self, key: bytes) -> bool:
         return self.ranks.get(key, 0) >= self.world

@@ -1,7 +1,7 @@
 """What the two sides of the connector send each other every step: the scheduler's
 KVTierMetadata (loads to start, blocks to save, this step's prefill work) to the workers, and
-each worker's KVTierWorkerMeta (host keys added and removed, measured speeds, loads that
-finished short) back, summed over ranks by vLLM."""
+each worker's KVTierWorkerMeta (host keys added and removed, measured speeds, what each finished
+load brought, tenants purged) back, combined over ranks by vLLM."""
 
 from __future__ import annotations
 
@@ -53,11 +53,15 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     speeds: dict[str, tuple[float, float]] = field(default_factory=dict)
     """tier -> (read bytes/s, job seconds) as this rank measures them now; 'h2d' -> (bytes/s, 0)."""
     loaded: dict[str, int] = field(default_factory=dict)
-    """req_id -> blocks that arrived (the rest of its load failed), for finished loads."""
+    """req_id -> blocks that arrived (the rest of its load failed), for the loads this rank
+    reports finished in the same step (`get_finished`)."""
+    purged: list[str] = field(default_factory=list)
+    """Owner ids this rank purged (a `kvtier cache purge` request): the scheduler drops them
+    from its host mirror too, in case it has not seen the request itself yet."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both ranks' reports: host keys once per rank, the slower rank's speeds, the fewer
-        arrived blocks of a load."""
+        arrived blocks of a load, the tenants either purged."""
         assert isinstance(other, KVTierWorkerMeta)
         speeds = dict(self.speeds)
         for name, (bw, job) in other.speeds.items():
@@ -73,4 +77,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             self.prefill + other.prefill,
             speeds,
             loaded,
+            sorted(set(self.purged) | set(other.purged)),
         )

@@ -1,6 +1,21 @@
 """The connector in vLLM's scheduler process: per request, how many tokens to load from the
 tiers (kvtier's `plan_restore` over the workers' tiers), and per step, which newly full blocks
-the workers save; it learns the workers' host keys and measured speeds from their reports."""
+the workers save; it learns the workers' host keys and measured speeds from their reports.
+
+What it plans from is kept true to what the workers hold, so that no restore is planned that
+cannot happen:
+
+    host     the workers' reports of keys added and removed (a failed load removes the blocks
+             it did not bring, see worker.py), and purges: the scheduler polls the purge
+             requests itself (purges.PurgePoller) and drops the purged tenant's keys before its
+             next lookup (it knows each key's tenant: it planned its store or load); a worker's
+             report of a purge does the same, whichever comes first
+    disk     the files themselves (a purge deletes them; a failed load's later blocks are deleted)
+    Redis    asked directly
+
+Counted here: the planned tokens of a load (`planned_hit_tokens`, at the plan) and, once the
+load is reported finished, the tokens that arrived (`hit_tokens`, the fewest any rank brought)
+and those that did not (`failed_hit_tokens`)."""
 
 from __future__ import annotations
 
@@ -11,9 +26,11 @@ from kvtier.cost.model import CostModel
 from kvtier.integrations.vllm.keys import KeyChains, rank_fingerprint, request_salt, world_size
 from kvtier.integrations.vllm.lookup import WorkerTiers
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec, StoreSpec
+from kvtier.integrations.vllm.purges import PurgePoller
 from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.sched.admission import RestorePlan, plan_restore
 from kvtier.tiers.hierarchy import TIER_ORDER, TierConfig
+from kvtier.tiers.owners import owner_id
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -35,6 +52,12 @@ class _ReqState:
     """Blocks of the load in flight (the request waits for it)."""
     load_start: int = 0
     load_tiers: list[str] = field(default_factory=list)
+    arrived: int = 0
+    """Of the load in flight, the fewest blocks any rank reported arrived so far."""
+
+    @property
+    def oid(self) -> str:
+        return owner_id(self.salt)
 
 
 @dataclass
@@ -95,6 +118,19 @@ class SchedulerSide:
         self.pending_loads: list[LoadSpec] = []
         self.inflight: dict[str, int] = {n: 0 for n in self.names}
         self.stats = KVTierStats()
+        self.purges = PurgePoller(
+            tier_config.disk_cache_dir or tier_config.key_dir,
+            tier_config.remote_cache_url,
+            options["purge_check_interval_s"],
+            name="kvtier-vllm-purges-sched",
+        )
+        """`kvtier cache purge` requests, polled on their own thread (an idle vLLM learns too)."""
+
+    def _take_purges(self, oids: list[str]) -> None:
+        """Tenants purged: their keys leave the host mirror (the disk files and Redis entries
+        are gone already; the purge deleted them)."""
+        for oid in oids:
+            self.tiers.host.drop_owner(oid)
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -119,6 +155,7 @@ class SchedulerSide:
         if usable <= device:
             self.lookups.pop(request.request_id, None)
             return 0, False
+        self._take_purges(self.purges.take())
         keys = self._keys(self._state(request), usable)
         remote_prefix = 0
         if self.tiers.remotes and device + sum(r.num_blocks for r in self.tiers.runs(keys, device)) < usable:
@@ -154,16 +191,18 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             return
         if decision.kind == "restore":
-            self.stats.add("decisions_restore")
+            self.stats.add("decisions_restore")  # a plan: what arrived is counted when it is done
         k = num_external_tokens // self.block_size
         start = lookup.device_blocks
         block_ids = list(blocks.get_block_ids()[0])
         keys = self._keys(st, start + k)[start:]
         remote = max(0, min(lookup.remote_prefix - start, k))
         self.pending_loads.append(LoadSpec(request.request_id, keys, block_ids[start : start + k], st.salt, remote))
-        st.loading, st.load_start = k, start
+        if "host" in self.names:
+            self.tiers.host.note_owner(keys, st.oid)  # a load from below promotes to host
+        st.loading, st.load_start, st.arrived = k, start, k
         st.load_tiers = sorted({run.tier for run in runs})
-        self.stats.add("hit_tokens", num_external_tokens)
+        self.stats.add("planned_hit_tokens", num_external_tokens)
         for name in st.load_tiers:
             self.inflight[name] += 1
 
@@ -173,6 +212,7 @@ class SchedulerSide:
         prefill features (timed by the workers)."""
         meta = KVTierMetadata(loads=self.pending_loads)
         self.pending_loads = []
+        self._take_purges(self.purges.take())  # a purged tenant's blocks are saved again
         x0 = x1 = 0.0
         prefill = False
         for req_id, computed, n in _scheduled(scheduler_output):
@@ -205,7 +245,10 @@ class SchedulerSide:
             return None
         self.stats.add("stores")
         self.stats.add("store_blocks", len(todo))
-        return StoreSpec([keys[i] for i in todo], [block_ids[i] for i in todo], st.salt)
+        spec = StoreSpec([keys[i] for i in todo], [block_ids[i] for i in todo], st.salt)
+        if "host" in self.names:
+            self.tiers.host.note_owner(spec.keys, st.oid)
+        return spec
 
     # -- the workers' reports ----------------------------------------------------------------------
     def update_output(self, output: KVConnectorOutput) -> None:
@@ -215,7 +258,11 @@ class SchedulerSide:
             self._take_report(meta)
         for req_id in output.finished_recving or ():
             st = self.reqs.get(req_id)
-            if st is not None:
+            if st is not None and st.loading:
+                bs = self.block_size
+                self.stats.add("hit_tokens", st.arrived * bs)
+                if st.arrived < st.loading:
+                    self.stats.add("failed_hit_tokens", (st.loading - st.arrived) * bs)
                 st.loading = 0
         for name in self.inflight:  # loads finished: recount from the requests still loading
             self.inflight[name] = 0
@@ -226,6 +273,7 @@ class SchedulerSide:
 
     def _take_report(self, meta: KVTierWorkerMeta) -> None:
         self.tiers.host.update(meta.host_added, meta.host_removed)
+        self._take_purges(meta.purged)
         for x0, x1, seconds in meta.prefill:
             self.cost.prefill.observe((x0, x1), seconds)
         for name, (bw, job) in meta.speeds.items():
@@ -237,9 +285,11 @@ class SchedulerSide:
                 speed.job_s.value = job
         for req_id, arrived in meta.loaded.items():
             st = self.reqs.get(req_id)
-            if st is not None and arrived < st.loading:
-                # vLLM recomputes the rest: save it again once computed
-                st.saved = min(st.saved, st.load_start + arrived)
+            if st is not None and st.loading:
+                st.arrived = min(st.arrived, arrived)
+                if arrived < st.loading:
+                    # vLLM recomputes the rest (the workers dropped it): save it again once computed
+                    st.saved = min(st.saved, st.load_start + arrived)
 
     def request_finished(self, request: Request) -> None:
         self.reqs.pop(request.request_id, None)
@@ -253,4 +303,5 @@ class SchedulerSide:
         return out
 
     def close(self) -> None:
+        self.purges.stop()
         self.tiers.close()

@@ -1,5 +1,20 @@
-"""The connector's counters as vLLM's connector stats: gathered per step on each side, summed
-over ranks, logged by vLLM and shown on its /metrics as vllm:kvtier_<name>_total."""
+"""The connector's counters and gauges as vLLM's connector stats: gathered per step on each side,
+combined over ranks, logged by vLLM and shown on its /metrics (vllm:kvtier_<name>_total for a
+counter, vllm:kvtier_<name> for a gauge).
+
+The counters a restore leaves, and who counts them:
+
+    planned_hit_tokens    scheduler  tokens of the loads it planned (vLLM waits for them)
+    hit_tokens            scheduler  tokens that ARRIVED in vLLM's pool (the fewest of any rank)
+    failed_hit_tokens     scheduler  planned tokens that did not arrive (vLLM recomputed them)
+    decisions_*           scheduler  the restore decisions (plans, not outcomes)
+    loads, load_failures, load_blocks, <tier>_hit_blocks   each worker, per rank, summed
+
+and the tiers' own counters and sizes (TierStats, each worker's TierHierarchy, read at most every
+0.5 s), the ones kvtier's own server shows: <tier>_bytes_read, <tier>_bytes_written,
+<tier>_evictions, <tier>_errors, corrupt_blocks, stores_dropped, stores_fenced, purges; the
+gauges <tier>_usage_bytes and <tier>_entries are each rank's latest value, summed over ranks
+(a gauge is never summed over steps)."""
 
 from __future__ import annotations
 
@@ -11,9 +26,13 @@ from kvtier.integrations.vllm.compat import KVConnectorPromMetrics, KVConnectorS
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
+TIERS = ("host", "disk", "remote")
+
 COUNTERS = (
     "lookups",
+    "planned_hit_tokens",
     "hit_tokens",
+    "failed_hit_tokens",
     "decisions_restore",
     "decisions_partial",
     "decisions_recompute",
@@ -22,22 +41,31 @@ COUNTERS = (
     "load_blocks",
     "stores",
     "store_blocks",
-    "host_hit_blocks",
-    "disk_hit_blocks",
-    "remote_hit_blocks",
-    "host_bytes_read",
-    "disk_bytes_read",
-    "remote_bytes_read",
+    *(f"{t}_hit_blocks" for t in TIERS),
+    *(f"{t}_bytes_read" for t in TIERS),
+    *(f"{t}_bytes_written" for t in TIERS),
+    *(f"{t}_evictions" for t in TIERS),
     "disk_errors",
     "remote_errors",
     "corrupt_blocks",
     "stores_dropped",
+    "stores_fenced",
+    "purges",
 )
+
+GAUGES = (
+    *(f"{t}_usage_bytes" for t in TIERS),
+    *(f"{t}_entries" for t in ("host", "disk")),
+)
+
+_GAUGES = "gauges"
+"""data[_GAUGES]: {gauge: {rank (str): latest value}}."""
 
 
 @dataclass
 class KVTierStats(KVConnectorStats):
-    """Counters since the last report (summed over ranks), and restore seconds observed."""
+    """Counters since the last report (summed over ranks), restore seconds observed, and the
+    gauges' latest value per rank."""
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -46,21 +74,36 @@ class KVTierStats(KVConnectorStats):
     def reset(self) -> None:
         data: dict[str, Any] = {name: 0 for name in COUNTERS}
         data["restore_s"] = []  # seconds per load
+        data[_GAUGES] = {}
         self.data = data
 
     def add(self, name: str, n: float = 1) -> None:
         self.data[name] = self.data.get(name, 0) + n
 
+    def set_gauge(self, name: str, rank: int, value: float) -> None:
+        self.data.setdefault(_GAUGES, {}).setdefault(name, {})[str(rank)] = value
+
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Add `other` in: counters add up; a gauge keeps each rank's value, `other`'s where
+        both have one (vLLM aggregates a later step into an earlier one)."""
         for name, value in other.data.items():
             if name == "restore_s":
                 self.data.setdefault("restore_s", []).extend(value)
+            elif name == _GAUGES:
+                mine = self.data.setdefault(_GAUGES, {})
+                for gauge, ranks in value.items():
+                    mine.setdefault(gauge, {}).update(ranks)
             else:
                 self.data[name] = self.data.get(name, 0) + value
         return self
 
+    def gauges(self) -> dict[str, float]:
+        """Each gauge summed over the ranks that reported it."""
+        return {name: sum(ranks.values()) for name, ranks in (self.data.get(_GAUGES) or {}).items()}
+
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {k: v for k, v in self.data.items() if k != "restore_s" and v}
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if k not in ("restore_s", _GAUGES) and v}
+        out.update(self.gauges())
         restores = sorted(self.data.get("restore_s", []))
         if restores:
             out["restore_p50_ms"] = round(restores[len(restores) // 2] * 1000, 2)
@@ -68,11 +111,11 @@ class KVTierStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(v for v in self.data.values())
+        return not any(v for k, v in self.data.items() if k != _GAUGES) and not self.data.get(_GAUGES)
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """kvtier's counters on vLLM's /metrics, as vllm:kvtier_<name>_total (per engine)."""
+    """kvtier's counters and gauges on vLLM's /metrics (per engine)."""
 
     def __init__(
         self,
@@ -88,6 +131,17 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 name=f"vllm:kvtier_{name}", documentation=f"kvtier connector: {name}", labelnames=labelnames
             )
             self._counters[name] = {idx: counter.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        for name in GAUGES:
+            gauge = self._gauge_cls(
+                name=f"vllm:kvtier_{name}",
+                documentation=f"kvtier connector: {name} (summed over ranks)",
+                multiprocess_mode="mostrecent",
+                labelnames=labelnames,
+            )
+            self._gauges[name] = {idx: gauge.labels(*values) for idx, values in per_engine_labelvalues.items()}
+        self._latest: dict[tuple[int, str], dict[str, float]] = {}
+        """(engine, gauge) -> {rank: latest value}: a step where one rank reports leaves the others'."""
         hist = self._histogram_cls(
             name="vllm:kvtier_restore_seconds",
             documentation="kvtier connector: seconds from a load's start to its last block in vLLM's pool",
@@ -101,5 +155,12 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             if name == "restore_s":
                 for s in value:
                     self._restore[engine_idx].observe(s)
+            elif name == _GAUGES:
+                for gauge, ranks in value.items():
+                    if gauge not in self._gauges:
+                        continue
+                    latest = self._latest.setdefault((engine_idx, gauge), {})
+                    latest.update(ranks)
+                    self._gauges[gauge][engine_idx].set(sum(latest.values()))
             elif name in self._counters and value:
                 self._counters[name][engine_idx].inc(value)

@@ -1,6 +1,13 @@
 """The connector in each vLLM worker process: a TierHierarchy per rank, loads of stored blocks
 into vLLM's KV pool, saves of newly full blocks out of it, and the reports the scheduler
-process learns from (host keys, measured speeds, loads that finished short, counters)."""
+process learns from (host keys, measured speeds, what each load brought, purges, counters).
+
+A load that brings fewer blocks than planned (a miss, a corrupt frame, a tier down) drops the
+blocks after the first one missing from this rank's host and disk tiers before it is reported:
+vLLM recomputes them, and the recomputed blocks are stored again in their place (a chain that
+went bad is repaired in one visit, not one block per visit). What a load brought is reported
+in the step its request is reported finished (`take_finished_loads`), with its failed blocks
+(`take_load_errors`) and its count (`take_worker_meta`), so the three agree."""
 
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _STATS_SCAN_S = 0.5
-"""The tiers' counters are read at most this often (not on every decode step)."""
+"""The tiers' counters and sizes are read after a step that loaded or stored, else at most this
+often (not on every decode step)."""
 
 
 def _block_axis(tensor: torch.Tensor, num_blocks: int) -> int:
@@ -85,9 +93,12 @@ class WorkerSide:
         self.step_started: float | None = None
         self._lock = threading.Lock()
         """Guards what the load threads and the host tier's watch hand to vLLM's thread."""
-        self._finished: set[str] = set()
+        self._done: dict[str, tuple[int, list[int]]] = {}
+        """Loads finished and not reported yet: req_id -> (blocks arrived, vLLM blocks failed)."""
         self._errors: set[int] = set()
+        """Failed vLLM blocks of the loads `take_finished_loads` reported (take_load_errors)."""
         self._loaded: dict[str, int] = {}
+        """Blocks arrived of the loads `take_finished_loads` reported (take_worker_meta)."""
         self._host_added: list[bytes] = []
         self._host_removed: list[bytes] = []
         self._prefill: list[tuple[float, float, float]] = []
@@ -96,6 +107,7 @@ class WorkerSide:
         self.stats = KVTierStats()
         self._counted: dict[str, int] = {}
         self._stats_scanned = 0.0
+        self._io_since_scan = True
         self._load_pool: ThreadPoolExecutor | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -176,6 +188,7 @@ class WorkerSide:
         if not meta.loads:
             return
         assert self.tiers is not None and self._load_pool is not None and self.purges is not None
+        self._io_since_scan = True
         for spec in meta.loads:
             self.purges.remember(spec.owner)
             runs = self.tiers.runs(spec.keys, 0, remote_prefix=spec.remote_prefix)
@@ -203,10 +216,10 @@ class WorkerSide:
         except Exception:
             logger.exception("kvtier connector: load of %s failed; recomputing", spec.req_id)
         failed = spec.block_ids[arrived:]
+        if failed:
+            self._drop_after_failure(spec.keys[arrived:])
         with self._lock:
-            self._errors.update(failed)
-            self._loaded[spec.req_id] = arrived
-            self._finished.add(spec.req_id)
+            self._done[spec.req_id] = (arrived, failed)
             self.stats.add("loads")
             self.stats.add("load_blocks", arrived)
             if failed:
@@ -223,10 +236,30 @@ class WorkerSide:
                 spec.req_id,
             )
 
+    def _drop_after_failure(self, keys: list[bytes]) -> None:
+        """The blocks from the first one a load missed on: out of this rank's host and disk
+        tiers (a corrupt chain's later frames, entries the scheduler counted on), so that the
+        recomputed blocks are stored in their place and no later lookup plans them."""
+        assert self.tiers is not None
+        for name in ("host", "disk"):
+            tier = self.tiers.tiers.get(name)
+            if tier is None:
+                continue
+            for key in keys:
+                try:
+                    tier.delete(key)  # a host removal reaches the scheduler through the watch
+                except Exception:  # best effort: the tier counts its errors
+                    logger.debug("kvtier connector: could not drop %s from %s", key.hex(), name, exc_info=True)
+
     def take_finished_loads(self) -> set[str] | None:
+        """The loads finished since the last call (vLLM's get_finished); their failed blocks and
+        counts are handed out by the next take_load_errors / take_worker_meta."""
         with self._lock:
-            done, self._finished = self._finished, set()
-        return done or None
+            done, self._done = self._done, {}
+            for req_id, (arrived, failed) in done.items():
+                self._loaded[req_id] = arrived
+                self._errors.update(failed)
+        return set(done) or None
 
     def take_load_errors(self) -> set[int]:
         with self._lock:
@@ -244,6 +277,7 @@ class WorkerSide:
         if not meta.stores or self.tiers is None:
             return
         assert self.purges is not None
+        self._io_since_scan = True
         for spec in meta.stores:
             self.purges.remember(spec.owner)
             tensors = self._read_blocks(spec.block_ids)
@@ -252,8 +286,9 @@ class WorkerSide:
     # -- reports -----------------------------------------------------------------------------------
     def take_worker_meta(self) -> KVTierWorkerMeta | None:
         """This step's report to the scheduler process (None: nothing new)."""
+        purged = self.purges.take() if self.purges is not None else []
         with self._lock:
-            meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, self._loaded)
+            meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, self._loaded, purged)
             self._host_added, self._host_removed, self._prefill, self._loaded = [], [], [], {}
             dirty, self._speeds_dirty = self._speeds_dirty, False
             h2d, self._h2d = self._h2d, (0.0, 0.0)
@@ -263,9 +298,29 @@ class WorkerSide:
                     meta.speeds[name] = (speed.read_bytes_per_s.value, speed.job_s.get(0.0))
             if h2d[1] > 0:
                 meta.speeds["h2d"] = (h2d[0] / h2d[1], 0.0)
-        if not (meta.host_added or meta.host_removed or meta.prefill or meta.speeds or meta.loaded):
+        if not (meta.host_added or meta.host_removed or meta.prefill or meta.speeds or meta.loaded or meta.purged):
             return None
         return meta
+
+    def _scan_tiers(self) -> None:
+        """The tiers' counters (their growth) and sizes (gauges: this rank's latest value), the
+        ones kvtier's own server shows."""
+        assert self.tiers is not None
+        for name, tier in self.tiers.tiers.items():
+            s = tier.stats
+            self._count(f"{name}_bytes_read", s.bytes_read, name)
+            self._count(f"{name}_bytes_written", s.bytes_written, name)
+            self._count(f"{name}_evictions", s.evictions, name)
+            self._count("corrupt_blocks", s.corrupt, name)
+            self._count(f"{name}_errors", sum(s.errors.values()) + s.skipped, name)
+            self.stats.set_gauge(f"{name}_usage_bytes", self.rank, tier.usage_bytes)
+            if name in ("host", "disk"):
+                self.stats.set_gauge(f"{name}_entries", self.rank, len(tier))
+        hs = self.tiers.stats
+        self._count("stores_dropped", hs.stores_dropped, "hierarchy")
+        self._count("stores_fenced", hs.stores_fenced, "hierarchy")
+        if self.purges is not None:
+            self._count("purges", self.purges.purges_done, "purges")
 
     def _count(self, counter: str, total: int, source: str) -> None:
         """Count the growth of a running total of the tiers' since it was last read."""
@@ -279,14 +334,10 @@ class WorkerSide:
         """The counters since the last call (None: nothing happened), the tiers' read bytes,
         errors and dropped stores included."""
         now = time.monotonic()
-        if self.tiers is not None and now - self._stats_scanned >= _STATS_SCAN_S:
-            self._stats_scanned = now
-            for name, tier in self.tiers.tiers.items():
-                s = tier.stats
-                self._count(f"{name}_bytes_read", s.bytes_read, name)
-                self._count("corrupt_blocks", s.corrupt, name)
-                self._count(f"{name}_errors", sum(s.errors.values()) + s.skipped, name)
-            self._count("stores_dropped", self.tiers.stats.stores_dropped, "hierarchy")
+        if self.tiers is not None and (self._io_since_scan or now - self._stats_scanned >= _STATS_SCAN_S):
+            self._stats_scanned, self._io_since_scan = now, False
+            with self._lock:  # the load threads add to self.stats too
+                self._scan_tiers()
         with self._lock:
             if self.stats.is_empty():
                 return None
