@@ -39,6 +39,8 @@ class KVTierMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     step_features: tuple[float, float] = (0.0, 0.0)
     """Summed PrefillEstimator features of this step's scheduled tokens (the worker times it)."""
+    reset: list[str] | None = None
+    """Tiers to clear before this step's loads (vLLM's reset_cache); None: no reset."""
 
 
 @dataclass
@@ -54,6 +56,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     """tier -> (read bytes/s, job seconds) as this rank measures them now; 'h2d' -> (bytes/s, 0)."""
     loaded: dict[str, int] = field(default_factory=dict)
     """req_id -> blocks that arrived (the rest of its load failed), for finished loads."""
+    resets: int = 0
+    """Resets this rank carried out (summed over ranks: the scheduler waits for every rank's)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both ranks' reports: host keys once per rank, the slower rank's speeds, the fewer
@@ -73,4 +77,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             self.prefill + other.prefill,
             speeds,
             loaded,
+            self.resets + other.resets,
         )

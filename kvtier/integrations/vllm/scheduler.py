@@ -4,6 +4,7 @@ the workers save; it learns the workers' host keys and measured speeds from thei
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _ReqState:
@@ -35,6 +38,9 @@ class _ReqState:
     """Blocks of the load in flight (the request waits for it)."""
     load_start: int = 0
     load_tiers: list[str] = field(default_factory=list)
+    load_short: bool = False
+    """A load of this request came back short: it is not loaded again (vLLM recomputes), so a
+    view of the tiers the workers do not share cannot retry the same load forever."""
 
 
 @dataclass
@@ -95,6 +101,15 @@ class SchedulerSide:
         self.pending_loads: list[LoadSpec] = []
         self.inflight: dict[str, int] = {n: 0 for n in self.names}
         self.stats = KVTierStats()
+        role = options.get("role", "kv_both")
+        self.loads = role != "kv_producer"
+        """kv_producer (a prefill instance) plans no loads."""
+        self.stores = role != "kv_consumer"
+        """kv_consumer (a decode instance) saves nothing."""
+        self.reset_tiers: tuple[str, ...] = tuple(options.get("reset_tiers", ("host", "disk")))
+        self.world = len(rank_fps)
+        self.pending_reset: list[str] | None = None
+        self.resets_awaited = 0
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -110,7 +125,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load after vLLM's own prefix hit, and whether the load is asynchronous;
         (None, False) while Redis has not answered (vLLM asks again next step)."""
-        if not _cacheable(request):
+        if not self.loads or not _cacheable(request):
             return 0, False
         bs = self.block_size
         num_tokens = request.num_tokens
@@ -119,7 +134,10 @@ class SchedulerSide:
         if usable <= device:
             self.lookups.pop(request.request_id, None)
             return 0, False
-        keys = self._keys(self._state(request), usable)
+        st = self._state(request)
+        if st.load_short:
+            return 0, False
+        keys = self._keys(st, usable)
         remote_prefix = 0
         if self.tiers.remotes and device + sum(r.num_blocks for r in self.tiers.runs(keys, device)) < usable:
             found = self.tiers.remote_prefix(request.request_id, keys, device)  # Redis may have more
@@ -171,8 +189,8 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: Any) -> KVTierMetadata:
         """The loads queued since the last step, the newly full blocks to save, and the step's
         prefill features (timed by the workers)."""
-        meta = KVTierMetadata(loads=self.pending_loads)
-        self.pending_loads = []
+        meta = KVTierMetadata(loads=self.pending_loads, reset=self.pending_reset)
+        self.pending_loads, self.pending_reset = [], None
         x0 = x1 = 0.0
         prefill = False
         for req_id, computed, n in _scheduled(scheduler_output):
@@ -182,7 +200,7 @@ class SchedulerSide:
             a, b = self.cost.prefill.features(n, computed)
             x0 += a
             x1 += b
-            store = self._newly_full(req_id, computed + n, kv_cache_manager)
+            store = self._newly_full(req_id, computed + n, kv_cache_manager) if self.stores else None
             if store is not None:
                 meta.stores.append(store)
         meta.step_features = (x0, x1) if prefill else (0.0, 0.0)  # time only steps that prefill
@@ -225,6 +243,10 @@ class SchedulerSide:
                     self.inflight[name] += 1
 
     def _take_report(self, meta: KVTierWorkerMeta) -> None:
+        if meta.resets:
+            if "host" in self.tiers.hidden:
+                self.tiers.host.ranks.clear()  # the report's host keys are those stored after the reset
+            self._resets_done(meta.resets)
         self.tiers.host.update(meta.host_added, meta.host_removed)
         for x0, x1, seconds in meta.prefill:
             self.cost.prefill.observe((x0, x1), seconds)
@@ -238,8 +260,35 @@ class SchedulerSide:
         for req_id, arrived in meta.loaded.items():
             st = self.reqs.get(req_id)
             if st is not None and arrived < st.loading:
+                st.load_short = True
                 # vLLM recomputes the rest: save it again once computed
                 st.saved = min(st.saved, st.load_start + arrived)
+
+    # -- vLLM's reset_prefix_cache(reset_external=True) --------------------------------------------
+    def reset(self) -> bool:
+        """Clear this instance's tiers of `reset_tiers` (default host and disk): the workers
+        clear them at the start of the next step; until every rank reports it done, lookups and
+        save choices do not see those tiers, so no restore is planned from a cleared tier. The
+        tiers not in `reset_tiers` (Redis by default: other instances use it) are kept."""
+        cleared = [n for n in self.names if n in self.reset_tiers]
+        kept = [n for n in self.names if n not in self.reset_tiers]
+        self.pending_reset = sorted(set(self.pending_reset or []) | set(cleared))
+        self.resets_awaited += self.world
+        self.tiers.hidden.update(cleared)
+        if "host" in cleared:
+            self.tiers.host.ranks.clear()
+        logger.info(
+            "kvtier connector: reset_cache: clearing %s of this instance on every rank; kept %s "
+            "(reset_tiers in kv_connector_extra_config)",
+            cleared or "no tier",
+            kept or "no tier",
+        )
+        return True
+
+    def _resets_done(self, n: int) -> None:
+        self.resets_awaited = max(0, self.resets_awaited - n)
+        if not self.resets_awaited and self.pending_reset is None:
+            self.tiers.hidden.clear()
 
     def request_finished(self, request: Request) -> None:
         self.reqs.pop(request.request_id, None)
