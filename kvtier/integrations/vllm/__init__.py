@@ -38,6 +38,14 @@ worth reading back. vLLM runs the connector twice, often in two processes:
   forward), so vLLM may free a finished request's blocks at once; the disk and Redis writes
   run in the background.
 
+- Roles: `kv_role` kv_both stores and loads, kv_producer (a prefill instance) only stores and
+  ends a step that stored once its blocks are written, kv_consumer (a decode instance) only
+  loads; a pair that shares a tier and kvtier.integrations.vllm_pd_proxy in front is prefill/
+  decode disaggregation. `reset_cache` (reset_prefix_cache(reset_external=True)) clears the tiers
+  of `reset_tiers` (default host and disk) on every rank and keeps the others (Redis), logged.
+  Inside vLLM's MultiConnector: importing this package registers the class by name with vLLM's
+  connector factory (MultiConnector rebuilds its children's stats by name).
+
 This module is the class vLLM instantiates, delegating to the side its role runs; the other
 modules: compat (vLLM's base classes, version check), config (extra-config parsing), keys,
 lookup, scheduler, metadata, worker, purges, stats (vLLM's connector stats and /metrics).

@@ -272,8 +272,9 @@ class SchedulerSide:
         tiers not in `reset_tiers` (Redis by default: other instances use it) are kept."""
         cleared = [n for n in self.names if n in self.reset_tiers]
         kept = [n for n in self.names if n not in self.reset_tiers]
+        if self.pending_reset is None:  # a reset not sent yet takes this one in: one report per rank
+            self.resets_awaited += self.world
         self.pending_reset = sorted(set(self.pending_reset or []) | set(cleared))
-        self.resets_awaited += self.world
         self.tiers.hidden.update(cleared)
         if "host" in cleared:
             self.tiers.host.ranks.clear()
