@@ -319,6 +319,25 @@ class DiskTier(Tier):
             found = (self._index.peek(k) for k in keys)
             return {e.key: e.nbytes for e in found if e is not None}
 
+    def adopt(self, keys: list[bytes]) -> int:
+        """Index the leading `keys` whose files another process wrote after this index was built
+        (a directory several instances share: a prefill instance writes, a decode instance
+        reads); stops at the first key with no file. Returns how many were added."""
+        added = 0
+        for key in keys:
+            with self._lock:
+                if key in self._index:
+                    continue
+            try:
+                st = os.stat(self._path(key))
+            except OSError:
+                break
+            with self._key_lock(key), self._lock:
+                if key not in self._index:
+                    self._index.insert(key, None, st.st_blocks * 512 or self.charged_bytes(st.st_size))
+                    added += 1
+        return added
+
     def forget_owner(self, owner_id: str) -> None:
         self._unlink_quietly(self._owner_path(owner_id))
 

@@ -362,3 +362,19 @@ def test_concurrent_workers_keep_the_index_consistent(tmp_path: Path) -> None:
     assert tier.usage_bytes == sum(on_disk.values())
     s = tier.stats
     assert s.corrupt == 0 and s.errors == {} and s.evictions > 0
+
+
+def test_adopt_indexes_entries_another_process_wrote_to_a_shared_directory(tmp_path: Path) -> None:
+    """Two tiers on one directory (a prefill and a decode instance): the reader's index, built at
+    its start, does not know the writer's later files until `adopt` finds them; it stops at the
+    first key without a file, and the adopted entries read back."""
+    keys = make_keys(4)
+    reader = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
+    writer = DiskTier(tmp_path, 1 << 20, fingerprint=FINGERPRINT)
+    for i in (0, 1, 3):
+        assert store_tensor(writer, keys[i], block(i), fingerprint=FINGERPRINT)
+    assert reader.contains_prefix(keys) == 0
+    assert reader.adopt(keys) == 2  # keys[2] has no file: keys[3] is not reached
+    assert reader.contains_prefix(keys) == 2 and reader.usage_bytes == 2 * CHARGED
+    assert torch.equal(load_tensor(reader, keys[1], fingerprint=FINGERPRINT), block(1))
+    assert reader.adopt(keys) == 0  # already indexed

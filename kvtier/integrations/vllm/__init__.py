@@ -47,6 +47,14 @@ worth reading back. vLLM runs the connector twice, often in two processes:
   forward), so vLLM may free a finished request's blocks at once; the disk and Redis writes
   run in the background.
 
+- Roles: `kv_role` kv_both stores and loads, kv_producer (a prefill instance) only stores and
+  ends a step that stored once its blocks are written, kv_consumer (a decode instance) only
+  loads; a pair that shares a tier and kvtier.integrations.vllm_pd_proxy in front is prefill/
+  decode disaggregation. `reset_cache` (reset_prefix_cache(reset_external=True)) clears the tiers
+  of `reset_tiers` (default host and disk) on every rank and keeps the others (Redis), logged.
+  Inside vLLM's MultiConnector: importing this package registers the class by name with vLLM's
+  connector factory (MultiConnector rebuilds its children's stats by name).
+
 This module is the class vLLM instantiates, delegating to the side its role runs; the other
 modules: compat (vLLM's base classes, version check), config (extra-config parsing), keys,
 lookup, scheduler, metadata, worker, purges, stats (vLLM's connector stats and /metrics).
@@ -71,6 +79,7 @@ from kvtier.integrations.vllm.compat import (
 from kvtier.integrations.vllm.config import (
     EXTRA_CONFIG_KEYS,
     check_supported,
+    connector_role,
     require_recompute_on_load_failure,
     tier_config_from_extra,
 )
@@ -104,6 +113,7 @@ class KVTierConnector(KVConnectorBase_V1):
         log_through_vllm()
         require_recompute_on_load_failure(self._kv_transfer_config, log=role == KVConnectorRole.SCHEDULER)
         tier_config, options = tier_config_from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        options["role"] = connector_role(self._kv_transfer_config)
         check_supported(vllm_config, kv_cache_config)
         assert kv_cache_config is not None  # check_supported refuses None
         fingerprint = config_fingerprint(vllm_config, kv_cache_config)
@@ -154,6 +164,12 @@ class KVTierConnector(KVConnectorBase_V1):
     ) -> KVConnectorPromMetrics | None:
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's reset_prefix_cache(reset_external=True), in the scheduler process: clear the
+        tiers of `reset_tiers` (host and disk by default; Redis is kept, other instances use it)
+        on every rank at the next step, and plan no restore from them meanwhile."""
+        return self._scheduler.reset() if self._scheduler is not None else None
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a later miss
@@ -171,6 +187,8 @@ class KVTierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert self._worker is not None and isinstance(meta, KVTierMetadata)
+        if meta.reset is not None:
+            self._worker.reset(meta.reset)
         self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -202,6 +220,21 @@ class KVTierConnector(KVConnectorBase_V1):
             side.close()
 
 
+def register_with_vllm() -> None:
+    """Register KVTierConnector by name with vLLM's connector factory. vLLM's MultiConnector
+    rebuilds its children's stats by class name in the API server process
+    (`KVConnectorFactory.get_connector_class_by_name`): without this, its first stats report
+    raises "Connector 'KVTierConnector' is not registered" and the server dies. Importing this
+    package registers it (vLLM imports it through kv_connector_module_path in every process that
+    builds the connector or its metrics); idempotent."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if KVTierConnector.__name__ not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(KVTierConnector.__name__, __name__, KVTierConnector.__name__)
+
+
+register_with_vllm()
+
 __all__ = [
     "DEFAULT_OWNER",
     "EXTRA_CONFIG_KEYS",
@@ -217,5 +250,6 @@ __all__ = [
     "config_fingerprint",
     "owner_id",
     "rank_fingerprint",
+    "register_with_vllm",
     "tier_config_from_extra",
 ]

@@ -7,7 +7,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cli.args import parse_size
-from kvtier.tiers.hierarchy import TierConfig
+from kvtier.tiers.hierarchy import TIER_ORDER, TierConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -33,7 +33,19 @@ EXTRA_CONFIG_KEYS = {
     "max_pending_stores": "queued disk/Redis writes beyond this are dropped (default 4096)",
     "remote_lookup_wait_ms": "how long one scheduling pass waits for a Redis lookup (default 5)",
     "purge_check_interval_s": "how often the workers and the scheduler look for purge requests (default 1.0)",
+    "reset_tiers": (
+        "tiers that vLLM's reset_prefix_cache(reset_external=true) clears (default ['host', 'disk']; "
+        "the others, e.g. a Redis other instances share, are kept and logged as kept)"
+    ),
 }
+
+DEFAULT_RESET_TIERS = ("host", "disk")
+"""What a reset clears unless `reset_tiers` says otherwise: this instance's own tiers. Redis is
+kept: other instances (a fleet, a prefill/decode pair) read it too."""
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+"""vLLM's kv_role: kv_both stores and loads, kv_producer (a prefill instance) only stores,
+kv_consumer (a decode instance) only loads."""
 
 
 def _size(value: Any, name: str) -> int | None:
@@ -53,7 +65,7 @@ def _size(value: Any, name: str) -> int | None:
 
 def tier_config_from_extra(extra: dict[str, Any]) -> tuple[TierConfig, dict[str, Any]]:
     """kvtier's TierConfig from vLLM's `kv_connector_extra_config`, and the connector's own
-    options (`remote_lookup_wait_s`, `purge_check_interval_s`). An unknown key is an error
+    options (`remote_lookup_wait_s`, `purge_check_interval_s`, `reset_tiers`). An unknown key is an error
     (nothing is silently ignored)."""
     unknown = sorted(set(extra) - set(EXTRA_CONFIG_KEYS))
     if unknown:
@@ -93,8 +105,26 @@ def tier_config_from_extra(extra: dict[str, Any]) -> tuple[TierConfig, dict[str,
     options = {
         "remote_lookup_wait_s": float(extra.get("remote_lookup_wait_ms", 5.0)) / 1000.0,
         "purge_check_interval_s": float(extra.get("purge_check_interval_s", 1.0)),
+        "reset_tiers": _reset_tiers(extra.get("reset_tiers", DEFAULT_RESET_TIERS)),
     }
     return config, options
+
+
+def _reset_tiers(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"kv_connector_extra_config.reset_tiers: a list of tier names, got {value!r}")
+    unknown = sorted(set(value) - set(TIER_ORDER))
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config.reset_tiers: unknown tiers {unknown}; tiers: {list(TIER_ORDER)}")
+    return tuple(n for n in TIER_ORDER if n in value)
+
+
+def connector_role(kv_transfer_config: Any) -> str:
+    """vLLM's kv_role for this connector (kv_both when unset)."""
+    role = getattr(kv_transfer_config, "kv_role", None) or "kv_both"
+    if role not in ROLES:
+        raise ValueError(f"kvtier connector: kv_role {role!r} is not one of {list(ROLES)}")
+    return str(role)
 
 
 def require_recompute_on_load_failure(kv_transfer_config: Any, log: bool) -> None:
@@ -107,7 +137,8 @@ def require_recompute_on_load_failure(kv_transfer_config: Any, log: bool) -> Non
     if log:
         logger.info(
             "kvtier connector: kv_load_failure_policy set to 'recompute' (a block that "
-            "fails to load is recomputed, never an error)"
+            "fails to load is recomputed, never an error); inside MultiConnector set "
+            '"kv_load_failure_policy": "recompute" on the MultiConnector\'s own config'
         )
 
 

@@ -60,6 +60,11 @@ class HostMirror:
         if len(self.owners) > 2 * len(self.ranks) + 4096:  # planned, never reported (a dropped store)
             self.owners = {k: o for k, o in self.owners.items() if k in self.ranks}
 
+    def clear(self) -> None:
+        """Forget every key (a reset cleared the host tiers)."""
+        self.ranks.clear()
+        self.owners.clear()
+
     def note_owner(self, keys: list[bytes], oid: str) -> None:
         """Keys of tenant `oid` are (about to be) in the workers' host tiers."""
         for key in keys:
@@ -130,6 +135,8 @@ class WorkerTiers:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-lookup") if self.remotes else None
         self.remote_wait_s = remote_wait_s
         self._remote_lookups: dict[str, tuple[int, Future]] = {}
+        self.hidden: set[str] = set()
+        """Tiers a reset is clearing: not seen until every rank reports them cleared."""
 
     # -- StoredBlocks ------------------------------------------------------------------------------
     def touch(self, keys: list[bytes]) -> None:
@@ -137,17 +144,23 @@ class WorkerTiers:
 
     def runs(self, keys: list[bytes], start: int, remote_prefix: int = 0, count: bool = True) -> list[TierRun]:
         """Stored blocks from keys[start], as `TierHierarchy.runs` finds them (`stored_runs`)."""
-        return stored_runs(self.local, keys, start, remote_prefix, count)
+        local = [(n, index) for n, index in self.local if n not in self.hidden] if self.hidden else self.local
+        remote_prefix = 0 if "remote" in self.hidden else remote_prefix
+        return stored_runs(local, keys, start, remote_prefix, count)
 
     # -- the rest ----------------------------------------------------------------------------------
     def stored_locally(self, key: bytes) -> bool:
         """In every rank's host tier or on every rank's disk: no need to store it again."""
+        if self.hidden:
+            return ("host" not in self.hidden and key in self.host) or (
+                "disk" not in self.hidden and self.disk is not None and key in self.disk
+            )
         return key in self.host or (self.disk is not None and key in self.disk)
 
     def remote_prefix(self, req_id: str, keys: list[bytes], start: int) -> int | None:
         """Absolute count of leading keys in Redis on every rank, from keys[start] on (None: not
         known yet; the lookup runs in the background and is asked again next step)."""
-        if not self.remotes or start >= len(keys):
+        if not self.remotes or start >= len(keys) or "remote" in self.hidden:
             return 0
         pending = self._remote_lookups.get(req_id)
         if pending is None or pending[0] != len(keys):

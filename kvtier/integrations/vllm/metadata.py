@@ -39,6 +39,8 @@ class KVTierMetadata(KVConnectorMetadata):
     stores: list[StoreSpec] = field(default_factory=list)
     step_features: tuple[float, float] = (0.0, 0.0)
     """Summed PrefillEstimator features of this step's scheduled tokens (the worker times it)."""
+    reset: list[str] | None = None
+    """Tiers to clear before this step's loads (vLLM's reset_cache); None: no reset."""
 
 
 @dataclass
@@ -58,6 +60,8 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     purged: list[str] = field(default_factory=list)
     """Owner ids this rank purged (a `kvtier cache purge` request): the scheduler drops them
     from its host mirror too, in case it has not seen the request itself yet."""
+    resets: int = 0
+    """Resets this rank carried out (summed over ranks: the scheduler waits for every rank's)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both ranks' reports: host keys once per rank, the slower rank's speeds, the fewer
@@ -78,4 +82,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             speeds,
             loaded,
             sorted(set(self.purged) | set(other.purged)),
+            self.resets + other.resets,
         )

@@ -19,6 +19,7 @@ and those that did not (`failed_hit_tokens`)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _ReqState:
@@ -54,6 +57,9 @@ class _ReqState:
     load_tiers: list[str] = field(default_factory=list)
     arrived: int = 0
     """Of the load in flight, the fewest blocks any rank reported arrived so far."""
+    load_short: bool = False
+    """A load of this request came back short: it is not loaded again (vLLM recomputes), so a
+    view of the tiers the workers do not share cannot retry the same load forever."""
 
     @property
     def oid(self) -> str:
@@ -118,6 +124,15 @@ class SchedulerSide:
         self.pending_loads: list[LoadSpec] = []
         self.inflight: dict[str, int] = {n: 0 for n in self.names}
         self.stats = KVTierStats()
+        role = options.get("role", "kv_both")
+        self.loads = role != "kv_producer"
+        """kv_producer (a prefill instance) plans no loads."""
+        self.stores = role != "kv_consumer"
+        """kv_consumer (a decode instance) saves nothing."""
+        self.reset_tiers: tuple[str, ...] = tuple(options.get("reset_tiers", ("host", "disk")))
+        self.world = len(rank_fps)
+        self.pending_reset: list[str] | None = None
+        self.resets_awaited = 0
         self.purges = PurgePoller(
             tier_config.disk_cache_dir or tier_config.key_dir,
             tier_config.remote_cache_url,
@@ -146,7 +161,7 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens to load after vLLM's own prefix hit, and whether the load is asynchronous;
         (None, False) while Redis has not answered (vLLM asks again next step)."""
-        if not _cacheable(request):
+        if not self.loads or not _cacheable(request):
             return 0, False
         bs = self.block_size
         num_tokens = request.num_tokens
@@ -156,7 +171,10 @@ class SchedulerSide:
             self.lookups.pop(request.request_id, None)
             return 0, False
         self._take_purges(self.purges.take())
-        keys = self._keys(self._state(request), usable)
+        st = self._state(request)
+        if st.load_short:
+            return 0, False
+        keys = self._keys(st, usable)
         remote_prefix = 0
         if self.tiers.remotes and device + sum(r.num_blocks for r in self.tiers.runs(keys, device)) < usable:
             found = self.tiers.remote_prefix(request.request_id, keys, device)  # Redis may have more
@@ -210,8 +228,8 @@ class SchedulerSide:
     def build_meta(self, scheduler_output: SchedulerOutput, kv_cache_manager: Any) -> KVTierMetadata:
         """The loads queued since the last step, the newly full blocks to save, and the step's
         prefill features (timed by the workers)."""
-        meta = KVTierMetadata(loads=self.pending_loads)
-        self.pending_loads = []
+        meta = KVTierMetadata(loads=self.pending_loads, reset=self.pending_reset)
+        self.pending_loads, self.pending_reset = [], None
         self._take_purges(self.purges.take())  # a purged tenant's blocks are saved again
         x0 = x1 = 0.0
         prefill = False
@@ -222,7 +240,7 @@ class SchedulerSide:
             a, b = self.cost.prefill.features(n, computed)
             x0 += a
             x1 += b
-            store = self._newly_full(req_id, computed + n, kv_cache_manager)
+            store = self._newly_full(req_id, computed + n, kv_cache_manager) if self.stores else None
             if store is not None:
                 meta.stores.append(store)
         meta.step_features = (x0, x1) if prefill else (0.0, 0.0)  # time only steps that prefill
@@ -272,6 +290,10 @@ class SchedulerSide:
                     self.inflight[name] += 1
 
     def _take_report(self, meta: KVTierWorkerMeta) -> None:
+        if meta.resets:
+            if "host" in self.tiers.hidden:
+                self.tiers.host.clear()  # the report's host keys are those stored after the reset
+            self._resets_done(meta.resets)
         self.tiers.host.update(meta.host_added, meta.host_removed)
         self._take_purges(meta.purged)
         for x0, x1, seconds in meta.prefill:
@@ -288,8 +310,36 @@ class SchedulerSide:
             if st is not None and st.loading:
                 st.arrived = min(st.arrived, arrived)
                 if arrived < st.loading:
+                    st.load_short = True
                     # vLLM recomputes the rest (the workers dropped it): save it again once computed
                     st.saved = min(st.saved, st.load_start + arrived)
+
+    # -- vLLM's reset_prefix_cache(reset_external=True) --------------------------------------------
+    def reset(self) -> bool:
+        """Clear this instance's tiers of `reset_tiers` (default host and disk): the workers
+        clear them at the start of the next step; until every rank reports it done, lookups and
+        save choices do not see those tiers, so no restore is planned from a cleared tier. The
+        tiers not in `reset_tiers` (Redis by default: other instances use it) are kept."""
+        cleared = [n for n in self.names if n in self.reset_tiers]
+        kept = [n for n in self.names if n not in self.reset_tiers]
+        if self.pending_reset is None:  # a reset not sent yet takes this one in: one report per rank
+            self.resets_awaited += self.world
+        self.pending_reset = sorted(set(self.pending_reset or []) | set(cleared))
+        self.tiers.hidden.update(cleared)
+        if "host" in cleared:
+            self.tiers.host.clear()
+        logger.info(
+            "kvtier connector: reset_cache: clearing %s of this instance on every rank; kept %s "
+            "(reset_tiers in kv_connector_extra_config)",
+            cleared or "no tier",
+            kept or "no tier",
+        )
+        return True
+
+    def _resets_done(self, n: int) -> None:
+        self.resets_awaited = max(0, self.resets_awaited - n)
+        if not self.resets_awaited and self.pending_reset is None:
+            self.tiers.hidden.clear()
 
     def request_finished(self, request: Request) -> None:
         self.reqs.pop(request.request_id, None)

@@ -84,6 +84,11 @@ class WorkerSide:
         self.rank = _rank(vllm_config)
         self.fingerprint = rank_fingerprint(fingerprint, self.rank)
         self.purge_interval_s = options["purge_check_interval_s"]
+        self.publish = options.get("role") == "kv_producer"
+        """A prefill instance waits for its stores to reach the tiers before the step ends, so
+        its KV is in the shared tiers when its response leaves (the decode instance's lookup
+        must find it)."""
+        self._resets = 0
         self.tiers: TierHierarchy | None = None
         self.purges: PurgeWatcher | None = None
         self.layers: list[torch.Tensor] = []
@@ -191,6 +196,9 @@ class WorkerSide:
         self._io_since_scan = True
         for spec in meta.loads:
             self.purges.remember(spec.owner)
+            disk = self.tiers.tiers.get("disk")
+            if disk is not None:  # files another instance wrote to a shared directory
+                disk.adopt(spec.keys)
             runs = self.tiers.runs(spec.keys, 0, remote_prefix=spec.remote_prefix)
             available = sum(r.num_blocks for r in runs)
             future = self.tiers.submit_load(spec.keys[:available], runs, spec.owner) if available else None
@@ -282,6 +290,38 @@ class WorkerSide:
             self.purges.remember(spec.owner)
             tensors = self._read_blocks(spec.block_ids)
             self.tiers.store(spec.keys, tensors, [spec.owner] * len(spec.keys))
+        if self.publish and not self.tiers.flush():
+            logger.warning("kvtier connector rank %d: stores still queued after 30 s; publishing late", self.rank)
+
+    # -- reset -------------------------------------------------------------------------------------
+    def reset(self, names: list[str]) -> None:
+        """vLLM's reset_cache: clear this rank's tiers `names` (the stores queued before the reset
+        land first, then go with the rest); log what was cleared and what was kept."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            cleared = {}
+            for name in self.tiers.names:
+                if name not in names:
+                    continue
+                tier = self.tiers.tiers[name]
+                if name == "host":
+                    # the scheduler drops its host mirror on this report: send only what comes after
+                    watch, tier.watch = tier.watch, None
+                    with self._lock:
+                        self._host_added, self._host_removed = [], []
+                    cleared[name] = tier.clear()
+                    tier.watch = watch
+                else:
+                    cleared[name] = tier.clear()
+            kept = [n for n in self.tiers.names if n not in names]
+            logger.info(
+                "kvtier connector rank %d: reset_cache: cleared %s; kept %s (not in reset_tiers)",
+                self.rank,
+                ", ".join(f"{n} ({k} blocks)" for n, k in cleared.items()) or "no tier",
+                ", ".join(kept) or "no tier",
+            )
+        with self._lock:
+            self._resets += 1
 
     # -- reports -----------------------------------------------------------------------------------
     def take_worker_meta(self) -> KVTierWorkerMeta | None:
@@ -290,6 +330,7 @@ class WorkerSide:
         with self._lock:
             meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, self._loaded, purged)
             self._host_added, self._host_removed, self._prefill, self._loaded = [], [], [], {}
+            meta.resets, self._resets = self._resets, 0
             dirty, self._speeds_dirty = self._speeds_dirty, False
             h2d, self._h2d = self._h2d, (0.0, 0.0)
         if dirty and self.tiers is not None:
@@ -298,7 +339,15 @@ class WorkerSide:
                     meta.speeds[name] = (speed.read_bytes_per_s.value, speed.job_s.get(0.0))
             if h2d[1] > 0:
                 meta.speeds["h2d"] = (h2d[0] / h2d[1], 0.0)
-        if not (meta.host_added or meta.host_removed or meta.prefill or meta.speeds or meta.loaded or meta.purged):
+        if not (
+            meta.host_added
+            or meta.host_removed
+            or meta.prefill
+            or meta.speeds
+            or meta.loaded
+            or meta.purged
+            or meta.resets
+        ):
             return None
         return meta
 
