@@ -353,6 +353,14 @@ class KVEventRecorder:
     ) -> None:
         if tokens is None:
             return
+        info = self.describe(key, parent, tokens, is_first, owner)
+        with self._lock:
+            self._announce(block_hash(key), info, MEDIUM_GPU, None)
+
+    def describe(self, key: bytes, parent: bytes, tokens: Sequence[int], is_first: bool, owner: Any = None) -> _Block:
+        """Learn a block's parent, tokens and tenant (`owner`: anything with `cache_salt` and
+        `owner_id`), so that a tier's later store of it can be announced; announces nothing
+        itself (the vLLM connector: the scheduler knows the tokens, the workers the tiers)."""
         salt = getattr(owner, "cache_salt", None)
         info = _Block(
             None if is_first else block_hash(parent),
@@ -360,12 +368,13 @@ class KVEventRecorder:
             (salt_digest(salt),) if is_first and salt is not None else None,
             getattr(owner, "owner_id", None),
         )
+        h = block_hash(key)
         with self._lock:
-            old = self._blocks.get(block_hash(key))
+            old = self._blocks.get(h)
             if old is not None:
                 info.media = old.media
-            self._blocks[block_hash(key)] = info
-            self._announce(block_hash(key), info, MEDIUM_GPU, None)
+            self._blocks[h] = info
+        return info
 
     def removed(self, key: bytes) -> None:
         with self._lock:

@@ -91,7 +91,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
             plain = [{k: v for k, v in ph.items() if k != "before"} for ph in first]
             jobs = {
                 "base": pool.submit(_run, tmp, "base", _spec(model, plain, None)),
-                "p1": pool.submit(_run, tmp, "p1", _spec(model, first, p1)),
+                "p1": pool.submit(_run, tmp, "p1", {**_spec(model, first, p1), "kv_events": True}),
             }
             out.update({k: f.result() for k, f in jobs.items()})
             jobs = {
@@ -209,6 +209,31 @@ def test_connector_metrics_reach_vllm(runs):
     assert metrics.get("vllm:kvtier_hit_tokens", 0) >= 512, metrics
     assert metrics.get("vllm:kvtier_host_hit_blocks", 0) >= 4, metrics
     assert metrics.get("vllm:kvtier_store_blocks", 0) >= 8, metrics
+
+
+def test_kv_events_carry_kvtiers_tiers_beside_vllms_device(runs):
+    """With --kv-events-config, vLLM's one event stream has its own device blocks and kvtier's
+    host, disk and Redis stores (the connector's take_events), with exact token ids; a purge
+    removes the tenant's blocks from the tiers' media."""
+    events = runs["p1"]["kv_events"]
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    media = {(e["medium"], e.get("locality")) for e in stored}
+    assert {("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")} <= media, media
+    assert any(m == "GPU" or m is None for m, _ in media), "vLLM's own device events are there too"
+    # kvtier's first host chain is A's first full blocks, token for token, one chain
+    first_cpu = next(e for e in stored if e["medium"] == "CPU")
+    assert first_cpu["parent_block_hash"] is None and first_cpu["block_size"] == BLOCK
+    n = len(first_cpu["block_hashes"])
+    assert first_cpu["token_ids"] == A[: n * BLOCK] or first_cpu["token_ids"] == B[: n * BLOCK]
+    # tenant-p's chain (C, salted): its first block carries the salt's digest, never the salt
+    from kvtier.kv_events import salt_digest
+
+    salted = [e for e in stored if e.get("extra_keys") and e["medium"] == "CPU"]
+    assert salted and salted[0]["extra_keys"][0] == [salt_digest("tenant-p")]
+    assert "tenant-p" not in json.dumps(events)
+    c_hashes = {h for e in salted for h in e["block_hashes"]}
+    removed = {h for e in events if e["type"] == "BlockRemoved" and e["medium"] == "CPU" for h in e["block_hashes"]}
+    assert c_hashes & removed, "the purge of tenant-p removed its host blocks from the stream"
 
 
 def test_connector_configuration_errors_and_helpers():

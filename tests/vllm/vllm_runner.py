@@ -67,6 +67,37 @@ def _kvtier_metrics(llm) -> dict:
     return out
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _replay_events(port: int) -> list[dict]:
+    """Every batch the publisher buffered, from seq 0 (a DEALER on its replay socket), decoded
+    with vLLM's own structs: one dict per event (its fields, "type" its class)."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+    events = []
+    while dealer.poll(10_000):
+        _, _, seq, payload = dealer.recv_multipart()
+        if seq == (-1).to_bytes(8, "big", signed=True):
+            break
+        for ev in msgspec.msgpack.decode(payload, type=KVEventBatch).events:
+            events.append({"type": type(ev).__name__, **msgspec.to_builtins(ev)})
+    dealer.close(linger=0)
+    ctx.term()
+    return events
+
+
 def main() -> None:
     spec = json.load(open(sys.argv[1]))
     import kvtier
@@ -90,6 +121,17 @@ def main() -> None:
     )
     if spec.get("connector") is not None:
         kwargs["kv_transfer_config"] = _connector_config(spec["connector"])
+    replay_port = None
+    if spec.get("kv_events"):  # vLLM's KV events, kvtier's tiers among them: read back by replay
+        from vllm.config import KVEventsConfig
+
+        replay_port = _free_port()
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"tcp://*:{_free_port()}",
+            replay_endpoint=f"tcp://*:{replay_port}",
+        )
     llm = LLM(**kwargs)
     out = {"phases": []}
     for phase in spec["phases"]:
@@ -153,6 +195,9 @@ def main() -> None:
         )
         if phase.get("metrics"):
             out["phases"][-1]["metrics"] = _kvtier_metrics(llm)
+    if replay_port is not None:
+        time.sleep(1.0)  # the last step's batch reaches the publisher thread
+        out["kv_events"] = _replay_events(replay_port)
     out["metrics"] = {}
     try:
         out["metrics"] = _kvtier_metrics(llm)

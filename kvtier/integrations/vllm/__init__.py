@@ -63,6 +63,7 @@ lookup, scheduler, metadata, worker, purges, stats (vLLM's connector stats and /
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from kvtier.integrations.vllm.compat import (
@@ -75,6 +76,7 @@ from kvtier.integrations.vllm.compat import (
     KVConnectorWorkerMetadata,
     check_vllm_version,
     log_through_vllm,
+    to_vllm_events,
 )
 from kvtier.integrations.vllm.config import (
     EXTRA_CONFIG_KEYS,
@@ -145,6 +147,13 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         self._scheduler.request_finished(request)
         return False, None  # saves copied their blocks out during the step: nothing to hold
+
+    def take_events(self) -> Iterable[Any]:
+        """kvtier's host, disk and Redis stores and removals as vLLM KV events, published by
+        vLLM with its own device events (`--kv-events-config`): one stream for routers."""
+        if self._scheduler is None:
+            return ()
+        return to_vllm_events(self._scheduler.take_events())
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         side = self._scheduler or self._worker

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 try:
     import vllm
@@ -84,3 +85,17 @@ __all__ = [
     "check_vllm_version",
     "log_through_vllm",
 ]
+
+
+def to_vllm_events(events: list[Any]) -> list[Any]:
+    """kvtier's KV event structs (kvtier.kv_events, the same fields and encoding) as vLLM's own
+    classes, so vLLM's publisher and aggregators handle them as they handle theirs."""
+    if not events:
+        return []
+    from vllm.distributed import kv_events as vk
+
+    out = []
+    for ev in events:
+        cls = getattr(vk, type(ev).__name__)
+        out.append(cls(**{f: getattr(ev, f) for f in ev.__struct_fields__}))
+    return out

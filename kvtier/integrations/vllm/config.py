@@ -157,3 +157,10 @@ def check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | No
         raise ValueError(
             "kvtier connector supports models with one KV cache group (no hybrid attention / sliding-window mixes)"
         )
+
+
+def kv_events_on(vllm_config: Any) -> bool:
+    """vLLM publishes KV events (`--kv-events-config` with enable_kv_cache_events): the
+    connector then reports its tiers' stores and removals through `take_events`."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(config is not None and config.enable_kv_cache_events)

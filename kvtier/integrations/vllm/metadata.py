@@ -62,6 +62,9 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
     from its host mirror too, in case it has not seen the request itself yet."""
     resets: int = 0
     """Resets this rank carried out (summed over ranks: the scheduler waits for every rank's)."""
+    tier_changes: list[tuple[str, bytes, bool]] = field(default_factory=list)
+    """(tier, key, stored or removed) of rank 0's tiers since its last report, in order: the KV
+    events the scheduler hands vLLM's publisher (empty unless KV events are on)."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Both ranks' reports: host keys once per rank, the slower rank's speeds, the fewer
@@ -83,4 +86,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
             loaded,
             sorted(set(self.purged) | set(other.purged)),
             self.resets + other.resets,
+            self.tier_changes + other.tier_changes,
         )

@@ -24,12 +24,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.cost.model import CostModel
+from kvtier.identity import Tenancy
+from kvtier.integrations.vllm.config import kv_events_on
 from kvtier.integrations.vllm.keys import KeyChains, rank_fingerprint, request_salt, world_size
 from kvtier.integrations.vllm.lookup import WorkerTiers
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec, StoreSpec
 from kvtier.integrations.vllm.purges import PurgePoller
 from kvtier.integrations.vllm.stats import KVTierStats
+from kvtier.kv_events import KVEventRecorder
 from kvtier.sched.admission import RestorePlan, plan_restore
+from kvtier.tiers.fence import ALL
 from kvtier.tiers.hierarchy import TIER_ORDER, TierConfig
 from kvtier.tiers.owners import owner_id
 
@@ -124,6 +128,9 @@ class SchedulerSide:
         self.pending_loads: list[LoadSpec] = []
         self.inflight: dict[str, int] = {n: 0 for n in self.names}
         self.stats = KVTierStats()
+        self.events = KVEventRecorder(self.block_size, None) if kv_events_on(vllm_config) else None
+        """kvtier's tiers as KV events (kvtier.kv_events), handed to vLLM's publisher by
+        `take_events`; None unless vLLM publishes KV events."""
         role = options.get("role", "kv_both")
         self.loads = role != "kv_producer"
         """kv_producer (a prefill instance) plans no loads."""
@@ -143,9 +150,30 @@ class SchedulerSide:
 
     def _take_purges(self, oids: list[str]) -> None:
         """Tenants purged: their keys leave the host mirror (the disk files and Redis entries
-        are gone already; the purge deleted them)."""
+        are gone already; the purge deleted them), and the KV events say so."""
         for oid in oids:
             self.tiers.host.drop_owner(oid)
+            if self.events is not None:
+                if oid == ALL:
+                    self.events.purge_all()
+                else:
+                    self.events.purge_owner(oid)
+
+    def _describe(self, st: _ReqState, keys: list[bytes], first: int) -> None:
+        """Tell the KV event recorder the parent and tokens of keys[first:] (chain positions
+        first, first + 1, ...), so the workers' tier stores of them can be announced."""
+        if self.events is None:
+            return
+        bs, tokens = self.block_size, st.request.all_token_ids
+        chain = self._keys(st, first + len(keys))
+        owner = Tenancy(None, st.salt, st.oid)
+        for i in range(first, first + len(keys)):
+            parent = chain[i - 1] if i else self.chains.root(st.salt)
+            self.events.describe(chain[i], parent, tokens[i * bs : (i + 1) * bs], i == 0, owner)
+
+    def take_events(self) -> list[Any]:
+        """The KV events of kvtier's tiers since the last call (vLLM publishes them with its own)."""
+        return self.events.take() if self.events is not None else []
 
     def _state(self, request: Request) -> _ReqState:
         st = self.reqs.get(request.request_id)
@@ -216,6 +244,7 @@ class SchedulerSide:
         keys = self._keys(st, start + k)[start:]
         remote = max(0, min(lookup.remote_prefix - start, k))
         self.pending_loads.append(LoadSpec(request.request_id, keys, block_ids[start : start + k], st.salt, remote))
+        self._describe(st, keys, start)
         if "host" in self.names:
             self.tiers.host.note_owner(keys, st.oid)  # a load from below promotes to host
         st.loading, st.load_start, st.arrived = k, start, k
@@ -264,6 +293,8 @@ class SchedulerSide:
         self.stats.add("stores")
         self.stats.add("store_blocks", len(todo))
         spec = StoreSpec([keys[i] for i in todo], [block_ids[i] for i in todo], st.salt)
+        for i in todo:
+            self._describe(st, [keys[i]], i)
         if "host" in self.names:
             self.tiers.host.note_owner(spec.keys, st.oid)
         return spec
@@ -295,6 +326,9 @@ class SchedulerSide:
                 self.tiers.host.clear()  # the report's host keys are those stored after the reset
             self._resets_done(meta.resets)
         self.tiers.host.update(meta.host_added, meta.host_removed)
+        if self.events is not None:
+            for name, key, present in meta.tier_changes:
+                self.events.tier_watch(name)(key, present)
         self._take_purges(meta.purged)
         for x0, x1, seconds in meta.prefill:
             self.cost.prefill.observe((x0, x1), seconds)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvtier.integrations.vllm.config import kv_events_on
 from kvtier.integrations.vllm.keys import rank_fingerprint
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec
 from kvtier.integrations.vllm.purges import PurgeWatcher
@@ -89,6 +91,9 @@ class WorkerSide:
         its KV is in the shared tiers when its response leaves (the decode instance's lookup
         must find it)."""
         self._resets = 0
+        self.kv_events = kv_events_on(vllm_config)
+        """vLLM publishes KV events (--kv-events-config): report tier stores and removals."""
+        self._tier_changes: list[tuple[str, bytes, bool]] = []
         self.tiers: TierHierarchy | None = None
         self.purges: PurgeWatcher | None = None
         self.layers: list[torch.Tensor] = []
@@ -134,6 +139,10 @@ class WorkerSide:
         host = self.tiers.tiers.get("host")
         if host is not None:
             host.watch = self._on_host_change
+        if self.kv_events and self.rank == 0:  # one rank speaks for the instance, as in vLLM
+            for name, tier in self.tiers.tiers.items():
+                if name != "host":
+                    tier.watch = self._tier_watch(name)
         # loads wait on the hierarchy's futures and copy into vLLM's pool on their own thread
         self._load_pool = ThreadPoolExecutor(
             max_workers=max(self.config.io_threads, 1), thread_name_prefix="kvtier-vllm-load"
@@ -152,6 +161,15 @@ class WorkerSide:
     def _on_host_change(self, key: bytes, present: bool) -> None:
         with self._lock:
             (self._host_added if present else self._host_removed).append(key)
+            if self.kv_events and self.rank == 0:
+                self._tier_changes.append(("host", key, present))
+
+    def _tier_watch(self, name: str) -> Callable[[bytes, bool], None]:
+        def watch(key: bytes, present: bool) -> None:
+            with self._lock:
+                self._tier_changes.append((name, key, present))
+
+        return watch
 
     # -- blocks in and out of vLLM's pool ----------------------------------------------------------
     def _read_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
@@ -331,6 +349,7 @@ class WorkerSide:
             meta = KVTierWorkerMeta(1, self._host_added, self._host_removed, self._prefill, {}, self._loaded, purged)
             self._host_added, self._host_removed, self._prefill, self._loaded = [], [], [], {}
             meta.resets, self._resets = self._resets, 0
+            meta.tier_changes, self._tier_changes = self._tier_changes, []
             dirty, self._speeds_dirty = self._speeds_dirty, False
             h2d, self._h2d = self._h2d, (0.0, 0.0)
         if dirty and self.tiers is not None:
