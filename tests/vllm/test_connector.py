@@ -220,18 +220,30 @@ def test_kv_events_carry_kvtiers_tiers_beside_vllms_device(runs):
     media = {(e["medium"], e.get("locality")) for e in stored}
     assert {("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")} <= media, media
     assert any(m == "GPU" or m is None for m, _ in media), "vLLM's own device events are there too"
-    # kvtier's first host chain is A's first full blocks, token for token, one chain
-    first_cpu = next(e for e in stored if e["medium"] == "CPU")
-    assert first_cpu["parent_block_hash"] is None and first_cpu["block_size"] == BLOCK
-    n = len(first_cpu["block_hashes"])
-    assert first_cpu["token_ids"] == A[: n * BLOCK] or first_cpu["token_ids"] == B[: n * BLOCK]
+    # a router that rebuilds chains from the host events (parent link + tokens) finds A's 4 full
+    # blocks, token for token
+    links = {}
+    for e in stored:
+        if e["medium"] == "CPU":
+            assert e["block_size"] == BLOCK and len(e["token_ids"]) == BLOCK * len(e["block_hashes"])
+            parent = e["parent_block_hash"]
+            for i, h in enumerate(e["block_hashes"]):
+                links[(parent, tuple(e["token_ids"][i * BLOCK : (i + 1) * BLOCK]))] = h
+                parent = h
+    parent, found = None, 0
+    while (parent, tuple(A[found * BLOCK : (found + 1) * BLOCK])) in links:
+        parent = links[(parent, tuple(A[found * BLOCK : (found + 1) * BLOCK]))]
+        found += 1
+    assert found == 4, found
     # tenant-p's chain (C, salted): its first block carries the salt's digest, never the salt
     from kvtier.kv_events import salt_digest
 
     salted = [e for e in stored if e.get("extra_keys") and e["medium"] == "CPU"]
-    assert salted and salted[0]["extra_keys"][0] == [salt_digest("tenant-p")]
-    assert "tenant-p" not in json.dumps(events)
-    c_hashes = {h for e in salted for h in e["block_hashes"]}
+    digests = {e["extra_keys"][0][0] for e in salted}
+    assert digests == {salt_digest("tenant-p"), salt_digest("tenant-b")}, digests
+    ours = json.dumps([e for e in events if e.get("medium") in ("CPU", "STORAGE")])
+    assert "tenant-p" not in ours and "tenant-b" not in ours  # (vLLM's own GPU events carry salts in clear)
+    c_hashes = {h for e in salted if e["extra_keys"][0][0] == salt_digest("tenant-p") for h in e["block_hashes"]}
     removed = {h for e in events if e["type"] == "BlockRemoved" and e["medium"] == "CPU" for h in e["block_hashes"]}
     assert c_hashes & removed, "the purge of tenant-p removed its host blocks from the stream"
 
