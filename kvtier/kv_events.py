@@ -50,6 +50,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -121,6 +122,10 @@ class AllBlocksCleared(KVCacheEvent):
 class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
+
+FLUSH_DELAY_S = 0.005
+"""How long the publisher waits after a wake-up before it flushes events that arrived between
+steps, so that a burst of tier writes goes out as one batch (well inside a router's patience)."""
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The replay socket's end-of-replay marker (vLLM's)."""
@@ -228,6 +233,10 @@ class ZmqEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(config.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
         self._thread.start()
@@ -244,37 +253,67 @@ class ZmqEventPublisher:
             batch.data_parallel_rank = self.data_parallel_rank
         try:
             self._queue.put_nowait(batch)
+            os.write(self._wake_w, b"b")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already: the thread is awake
         except queue.Full:
             self.num_dropped += 1
             if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
                 logger.warning("KV events: the publisher is behind; %d batches dropped", self.num_dropped)
 
+    def wake(self) -> None:
+        """Ask the publisher thread to flush the recorder soon (events that arrived between
+        steps: a tier write, an idle engine's purge). Any thread; never blocks."""
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"w")
+            except (BlockingIOError, OSError):
+                pass
+
     def _run(self) -> None:
+        """Sleeps until there is work: a queued batch, a wake-up or a replay request (no
+        periodic wake-ups: on a small CPU machine a thread that wakes 100 times a second costs
+        the compute threads their barriers)."""
+        import zmq
+
         encoder = msgspec.msgpack.Encoder()
-        poll_s = 0.01
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
         while True:
-            if self._replay is not None and self._replay.poll(0):
+            ready = dict(poller.poll())
+            if self._replay is not None and self._replay in ready:
                 try:
                     self._serve_replay()
                 except Exception:  # a bad replay request must not stop publishing
                     logger.exception("KV events: replay failed")
-            if self._flush is not None and self._running:
-                self._flush()  # events from between steps (tier writes, an idle engine's purge)
-            try:
-                batch = self._queue.get(timeout=poll_s)
-            except queue.Empty:
-                continue
-            if batch is None:
-                break
-            try:
-                seq = next(self._seq)
-                payload = encoder.encode(batch)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
-                self._buffer.append((seq, payload))
-                self.num_published += 1
-            except Exception:  # keep publishing; back off a little
-                logger.exception("KV events: publishing failed")
-                time.sleep(0.1)
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                if self._wake_pending and self._flush is not None and self._running:
+                    time.sleep(FLUSH_DELAY_S)  # let a burst of tier writes land in one batch
+                    self._wake_pending = False
+                    self._flush()
+            while True:
+                try:
+                    batch = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if batch is None:
+                    return
+                try:
+                    seq = next(self._seq)
+                    payload = encoder.encode(batch)
+                    self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                    self._buffer.append((seq, payload))
+                    self.num_published += 1
+                except Exception:  # keep publishing; back off a little
+                    logger.exception("KV events: publishing failed")
+                    time.sleep(0.1)
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -297,11 +336,17 @@ class ZmqEventPublisher:
         if self._flush is not None:
             self._flush()
         self._queue.put(None)
+        try:
+            os.write(self._wake_w, b"q")
+        except BlockingIOError:
+            pass
         self._thread.join(timeout_s)
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
         self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
 
 
 # -- the recorder ------------------------------------------------------------------------------
@@ -389,12 +434,14 @@ class KVEventRecorder:
             with self._lock:
                 if not present:
                     self._retract(h, medium, locality)
-                    return
-                info = self._blocks.get(h)
-                if info is None:
-                    self.num_unannounced += 1
-                    return
-                self._announce(h, info, medium, locality)
+                else:
+                    info = self._blocks.get(h)
+                    if info is None:
+                        self.num_unannounced += 1
+                        return
+                    self._announce(h, info, medium, locality)
+            if self.publisher is not None:
+                self.publisher.wake()  # an I/O thread's write: it goes out without waiting for a step
 
         return watch
 
