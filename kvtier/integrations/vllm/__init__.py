@@ -54,6 +54,10 @@ worth reading back. vLLM runs the connector twice, often in two processes:
   of `reset_tiers` (default host and disk) on every rank and keeps the others (Redis), logged.
   Inside vLLM's MultiConnector: importing this package registers the class by name with vLLM's
   connector factory (MultiConnector rebuilds its children's stats by name).
+- KV events: with vLLM's `--kv-events-config`, rank 0's worker reports its tiers' stores and
+  removals (`KVTierWorkerMeta.tier_changes`), the scheduler side turns them into vLLM-format
+  events with the tokens it planned (kvtier.kv_events.KVEventRecorder) and `take_events` hands
+  them to vLLM's publisher, beside vLLM's own device events: one stream for KV-aware routers.
 
 This module is the class vLLM instantiates, delegating to the side its role runs; the other
 modules: compat (vLLM's base classes, version check), config (extra-config parsing), keys,
