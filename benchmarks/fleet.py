@@ -100,6 +100,7 @@ class Fleet:
         self.urls: list[str] = []
         self.events: list[tuple[int, int]] = []
         self.router_url = ""
+        self.router_metrics_url = ""
         self.redis_proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -157,7 +158,7 @@ class Fleet:
             "--worker-startup-check-interval",
             "1",
             "--prometheus-port",
-            str(free_port()),
+            str(prom := free_port()),
             "--log-level",
             "warning",
         ]
@@ -166,6 +167,8 @@ class Fleet:
                 cmd += ["--kv-event-source", f"{url}=tcp://127.0.0.1:{ev}"]
                 cmd += ["--kv-event-replay-source", f"{url}=tcp://127.0.0.1:{replay}"]
             cmd += ["--kv-event-block-size", str(a.tokens_per_id), "--kv-event-model", str(a.model_dir)]
+        cmd += self.args.router_arg
+        self.router_metrics_url = f"http://127.0.0.1:{prom}/metrics"
         log = open(self.tmp / f"router-{self.policy}.log", "w")
         self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
         self.router_url = f"http://127.0.0.1:{rport}"
@@ -176,6 +179,30 @@ class Fleet:
             stop_process(proc)
         if self.redis_proc is not None:
             stop_process(self.redis_proc)
+
+
+ROUTER_SERIES = (
+    "vllm_router_policy_decisions_total",
+    "vllm_router_kv_placement_lookups_total",
+    "vllm_router_kv_routing_inputs_total",
+    "vllm_router_cache_hits_total",
+    "vllm_router_cache_misses_total",
+    "vllm_router_load_balancing_events_total",
+)
+
+
+def router_decisions(url: str) -> dict[str, float]:
+    """The router's own counts of how it decided (its Prometheus series, by label set)."""
+    try:
+        text = httpx.get(url, timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(ROUTER_SERIES):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
@@ -288,6 +315,12 @@ def main() -> None:
     ap.add_argument("--redis", action="store_true", help="also run every policy with a shared Redis tier")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="replay the trace this many times faster")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        help="one more vllm-router argument (repeat; e.g. --router-arg=--router-temperature --router-arg=0.1)",
+    )
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -328,6 +361,7 @@ def main() -> None:
                         )
                     )
                 row["requests_per_instance"] = per_instance
+                row["router"] = router_decisions(fleet.router_metrics_url)
             finally:
                 fleet.stop()
             report["runs"].append(row)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from kvtier.cli.args import fraction, positive_float, positive_int, size
 from kvtier.sim.config import TierSpeeds
@@ -206,15 +207,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     fleet.add_argument(
         "--cache-threshold",
         type=fraction,
-        default=0.5,
-        help="prefix router: route by match when matched / input tokens >= this (default 0.5)",
+        default=0.3,
+        help="prefix router: route by match when matched / input tokens > this (default 0.3, vllm-router's)",
     )
     fleet.add_argument(
         "--balance-abs-threshold",
         type=int,
-        default=32,
+        default=64,
         metavar="N",
-        help="routers: least loaded when max - min in flight > N ... (default 32)",
+        help="prefix router: least loaded when max - min in flight > N ... (default 64)",
     )
     fleet.add_argument(
         "--balance-rel-threshold",
@@ -225,10 +226,26 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     fleet.add_argument(
         "--host-weight",
-        type=_non_negative_float,
-        default=0.5,
+        type=fraction,
+        default=0.8,
         metavar="W",
-        help="kv_aware router: a host-tier block counts W of a device block (default 0.5)",
+        help="kv_aware router: a host-tier block saves W of a device block's prefill (default 0.8, "
+        "vllm-router's --kv-penalty-host)",
+    )
+    fleet.add_argument(
+        "--overlap-weight",
+        type=_non_negative_float,
+        default=1.0,
+        metavar="W",
+        help="kv_aware and oracle routers: cost = W x prefill blocks + decode blocks in flight (default 1)",
+    )
+    fleet.add_argument(
+        "--output-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="load model: every request generates N tokens (a benchmark's max_tokens) instead of "
+        "the trace's output_length",
     )
     m.add_argument("--limit", type=positive_int, default=None, help="replay only the first N records")
     m.add_argument("--plot", default=None, metavar="FILE.png", help="write a hit-rate-vs-capacity plot")
@@ -290,9 +307,12 @@ def run(args: argparse.Namespace) -> int:
             balance_abs_threshold=args.balance_abs_threshold,
             balance_rel_threshold=args.balance_rel_threshold,
             host_weight=args.host_weight,
+            overlap_weight=args.overlap_weight,
             decode_s_per_token=args.decode_s_per_token,
         )
         reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
+        if args.output_tokens is not None:
+            reqs = [replace(r, output_length=args.output_tokens) for r in reqs]
         return _run_fleet(args, reqs, caps, config, router)
     reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
     res = simulate(reqs, caps, config)

@@ -22,26 +22,33 @@ Routing policies (`ROUTINGS`), each choosing one instance per request at its arr
                  SGLang's router): per instance, a prefix tree of the requests it SENT there
                  (here the set of chained block keys, which is that tree), not of what the
                  instance still holds: its evictions are invisible. The instance with the
-                 longest match wins if matched tokens / input tokens >= `cache_threshold`
-                 (default 0.5), else the instance with the smallest tree (fewest blocks sent:
-                 the most room, as those routers pick; ties: least loaded); and if the load
-                 is imbalanced (max - min > `balance_abs_threshold` (32) and max >
+                 longest match wins if matched tokens / input tokens > `cache_threshold`
+                 (0.3), else the instance with the smallest tree (fewest blocks sent: the most
+                 room, as those routers pick; ties: least loaded); and if the load is
+                 imbalanced (max - min > `balance_abs_threshold` (64) and max >
                  `balance_rel_threshold` (1.5) x min) the least loaded, whatever the match.
-                 The routers' own defaults differ between versions (threshold 0.3-0.5,
-                 absolute 32-64): set them to the router you run. The tree grows without
-                 bound (the real ones trim it to a size limit now and then).
-    kv_aware     what a router fed by KV events knows: what each instance holds right now, its
-                 device prefix (the PrefixIndex) plus, weighted by `host_weight` (0.5), the
-                 host tier's blocks after it; the highest score wins, ties and all-zero scores
-                 go to the least loaded, and the same imbalance guard as `prefix` applies.
-    oracle       the instance where the request gets the most hit tokens: its device prefix,
+                 Defaults are vllm-router 0.1.17's; other versions and SGLang's router differ
+                 (threshold 0.3-0.5, absolute 32-64): set them to the router you run. The tree
+                 grows without bound (the real ones trim it to a size limit now and then).
+    kv_aware     what a router fed by KV events does (vllm-router 0.1.17's `kv_aware`, Dynamo's
+                 KV router): the lowest cost, where an instance's cost is `overlap_weight` x
+                 the prefill blocks the request would compute there (its input minus the
+                 device prefix the instance holds right now, and minus `host_weight` (0.8) of
+                 each host-tier block after it) plus the decode blocks (prompt + output) of
+                 the requests in flight there and of this one. Ties go to the least loaded.
+                 Hits are traded for load: a longer prefix on a busy instance can lose to a
+                 shorter one on an idle instance. No imbalance guard (the cost is the guard).
+                 The cost's form is Dynamo's documented one; vllm-router 0.1.17 documents the
+                 same knobs (lowest cost at temperature 0, tier credits) but not its formula,
+                 so this is a model of it, checked against it in docs/benchmarks.md.
+    oracle       `kv_aware`'s cost with everything known: the hit tokens are the device prefix
                  plus what `plan_restore` would restore there from host, disk and the shared
-                 tier (the cost model's choice); ties go to the one that restores fastest
-                 (more on device), then the least loaded; the same imbalance guard (without
-                 it, greedy affinity piles every request that shares a first block onto one
-                 instance and thrashes its pool). A router that knows everything but sends
-                 each request to one instance, deciding one request at a time: a greedy
-                 bound for the routers above, not a proven optimum over all routings.
+                 tier (the cost model's choice), not a router's view; ties go to the one that
+                 restores fastest (more on device), then the least loaded. Load counts as in
+                 `kv_aware` (without it, greedy affinity piles every request that shares a
+                 first block onto one instance and thrashes its pool). A router that knows
+                 everything but sends each request to one instance, deciding one request at a
+                 time: a greedy bound for the routers above, not a proven optimum.
 
 "Least loaded": fewest requests in flight, then fewest requests routed so far, then the lowest
 instance number (so a fleet with nothing in flight still spreads new prefixes).
@@ -77,16 +84,19 @@ ROUTINGS = ("round_robin", "prefix", "kv_aware", "oracle")
 
 @dataclass(frozen=True)
 class RouterConfig:
-    """The routers' knobs and the load model's decode speed."""
+    """The routers' knobs and the load model's decode speed. Defaults: vllm-router 0.1.17's."""
 
-    cache_threshold: float = 0.5
-    """prefix: route by match when matched / input tokens >= this."""
-    balance_abs_threshold: int = 32
-    """prefix, kv_aware, oracle: imbalanced when max load - min load > this ..."""
+    cache_threshold: float = 0.3
+    """prefix: route by match when matched / input tokens > this (vllm-router --cache-threshold)."""
+    balance_abs_threshold: int = 64
+    """prefix: imbalanced when max load - min load > this ..."""
     balance_rel_threshold: float = 1.5
     """... and max load > this x min load; then the least loaded instance gets the request."""
-    host_weight: float = 0.5
-    """kv_aware: a host-tier block counts this much of a device block."""
+    host_weight: float = 0.8
+    """kv_aware: a host-tier block saves this much of a device block's prefill (vllm-router
+    --kv-penalty-host, its "host-tier KV transfer credit")."""
+    overlap_weight: float = 1.0
+    """kv_aware, oracle: weight of the prefill blocks against the decode blocks in the cost."""
     decode_s_per_token: float = 0.02
     """Load model: seconds per output token of one request (decode)."""
 
@@ -97,8 +107,10 @@ class RouterConfig:
             raise ValueError("balance_abs_threshold must be >= 0")
         if self.balance_rel_threshold < 1.0:
             raise ValueError("balance_rel_threshold must be >= 1")
-        if self.host_weight < 0 or self.decode_s_per_token < 0:
-            raise ValueError("host_weight and decode_s_per_token must be >= 0")
+        if not 0.0 <= self.host_weight <= 1.0:
+            raise ValueError(f"host_weight must be in [0, 1], got {self.host_weight}")
+        if self.overlap_weight < 0 or self.decode_s_per_token < 0:
+            raise ValueError("overlap_weight and decode_s_per_token must be >= 0")
 
 
 _ADDITIVE = (
@@ -172,6 +184,7 @@ class FleetSimulator:
         self.config = config = config or SimConfig()
         self.router = router or RouterConfig()
         self.routing = routing
+        self.block_tokens = config.block_tokens
         self.remote = new_remote_tier(config)
         self.sims = [
             TraceSimulator(device_blocks, config, shared_remote=self.remote, instance=i) for i in range(instances)
@@ -183,7 +196,8 @@ class FleetSimulator:
             "oracle": self._oracle,
         }[routing]
         n = instances
-        self._in_flight: list[list[float]] = [[] for _ in range(n)]  # finish times, a heap each
+        self._in_flight: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # (finish, blocks) heaps
+        self._active_blocks = [0] * n  # blocks (prompt + output) of the requests in flight
         self._routed = [0] * n
         self._load_sum = [0] * n
         self._peak = [0] * n
@@ -205,8 +219,8 @@ class FleetSimulator:
             now = req.timestamp / 1000.0
             loads = []
             for i, heap in enumerate(self._in_flight):
-                while heap and heap[0] <= now:
-                    heapq.heappop(heap)
+                while heap and heap[0][0] <= now:
+                    self._active_blocks[i] -= heapq.heappop(heap)[1]
                 load = len(heap)
                 loads.append(load)
                 self._load_sum[i] += load
@@ -222,7 +236,9 @@ class FleetSimulator:
             self._routed[i] += 1
             self.routed_to.append(i)
             self._hit_tokens[i] += outcome.hit_tokens
-            heapq.heappush(self._in_flight[i], now + outcome.prefill_s + req.output_length * decode)
+            blocks = len(req.keys) + -(-req.output_length // self.block_tokens)
+            heapq.heappush(self._in_flight[i], (now + outcome.prefill_s + req.output_length * decode, blocks))
+            self._active_blocks[i] += blocks
             if self.routing == "prefix":
                 self._sent[i].update(req.keys)
         self._elapsed += time.perf_counter() - t0
@@ -237,20 +253,13 @@ class FleetSimulator:
         hi, lo = max(loads), min(loads)
         return hi - lo > r.balance_abs_threshold and hi > r.balance_rel_threshold * lo
 
-    def _best(self, scores: Sequence[float], loads: list[int]) -> int:
-        """The highest score (ties: least loaded); all zero: the least loaded."""
-        best = max(scores)
-        if best <= 0:
-            return self._least_loaded(loads)
-        return self._least_loaded(loads, [i for i, s in enumerate(scores) if s == best])
-
     def _round_robin(self, req: SimRequest, loads: list[int]) -> int:
         return (self._arrivals - 1) % len(loads)
 
     def _prefix(self, req: SimRequest, loads: list[int]) -> int:
         if self._imbalanced(loads) or not req.input_length:
             return self._least_loaded(loads)
-        matched = []
+        matched: list[int] = []
         for sent in self._sent:
             m = 0
             for key in req.keys:
@@ -259,49 +268,48 @@ class FleetSimulator:
                 m += 1
             matched.append(sum(req.block_tokens[:m]))
         best = max(matched)
-        if best and best / req.input_length >= self.router.cache_threshold:
+        if best and best / req.input_length > self.router.cache_threshold:
             return self._least_loaded(loads, [i for i, m in enumerate(matched) if m == best])
         smallest = min(len(sent) for sent in self._sent)
         return self._least_loaded(loads, [i for i, sent in enumerate(self._sent) if len(sent) == smallest])
 
     def _kv_aware(self, req: SimRequest, loads: list[int]) -> int:
-        if self._imbalanced(loads):
-            return self._least_loaded(loads)
         keys, toks, w = req.keys, req.block_tokens, self.router.host_weight
-        scores = []
-        for sim in self.sims:
+        bt = self.block_tokens
+        costs = []
+        for i, sim in enumerate(self.sims):
             d = len(sim.index.match_keys(keys))
-            score = float(sum(toks[:d]))
+            saved = float(sum(toks[:d]))
             host = sim.host
             if host is not None and w:
                 h = host.contains_prefix(keys[d:], count=False)
-                score += w * sum(toks[d : d + h])
-            scores.append(score)
-        return self._best(scores, loads)
+                saved += w * sum(toks[d : d + h])
+            prefill_blocks = (req.input_length - saved) / bt
+            decode_blocks = self._active_blocks[i] + len(keys)
+            costs.append(self.router.overlap_weight * prefill_blocks + decode_blocks)
+        best = min(costs)
+        return self._least_loaded(loads, [i for i, c in enumerate(costs) if c == best])
 
     def _oracle(self, req: SimRequest, loads: list[int]) -> int:
-        if self._imbalanced(loads):
-            return self._least_loaded(loads)
         keys, toks = req.keys, req.block_tokens
         remote = self.remote.contains_prefix(keys, count=False) if self.remote is not None else 0
         always = self.config.restore_policy == "always"
-        scores: list[tuple[int, float]] = []  # (hit tokens, -restore seconds)
-        for sim in self.sims:
-            if not keys or len(keys) > sim.kv.num_blocks:  # all-miss wherever it goes
-                scores.append((0, 0.0))
-                continue
-            d = len(sim.index.match_keys(keys))
-            t_dev = sum(toks[:d])
-            k, t_restore = 0, 0.0
-            if sim.tiers is not None:
-                runs = sim.tiers.runs(keys, d, remote, count=False)
-                decision = sim.cost.decide(t_dev, runs, req.input_length, restore_all=always)
-                k, t_restore = decision.num_blocks, decision.t_restore_s
-            scores.append((t_dev + sum(toks[d : d + k]), -t_restore))
-        best = max(scores)
-        if best[0] <= 0:
-            return self._least_loaded(loads)
-        return self._least_loaded(loads, [i for i, s in enumerate(scores) if s == best])
+        costs: list[tuple[float, float]] = []  # (cost, restore seconds)
+        for i, sim in enumerate(self.sims):
+            hit, t_restore = 0, 0.0
+            if keys and len(keys) <= sim.kv.num_blocks:  # else all-miss wherever it goes
+                d = len(sim.index.match_keys(keys))
+                hit = sum(toks[:d])
+                if sim.tiers is not None:
+                    runs = sim.tiers.runs(keys, d, remote, count=False)
+                    decision = sim.cost.decide(hit, runs, req.input_length, restore_all=always)
+                    hit += sum(toks[d : d + decision.num_blocks])
+                    t_restore = decision.t_restore_s
+            prefill_blocks = (req.input_length - hit) / self.block_tokens
+            decode_blocks = self._active_blocks[i] + len(keys)
+            costs.append((self.router.overlap_weight * prefill_blocks + decode_blocks, t_restore))
+        best = min(costs)
+        return self._least_loaded(loads, [i for i, c in enumerate(costs) if c == best])
 
     # ------------------------------------------------------------------ results
     def check_integrity(self) -> None:

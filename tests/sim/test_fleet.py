@@ -232,19 +232,37 @@ def test_load_model_in_flight_counts():
     assert fleet.result()["per_instance"][0]["mean_in_flight"] == pytest.approx(1 / 3)
 
 
-def test_load_guard_spreads_a_hot_prefix():
-    """Every request shares one prefix and they pile up: without the guard kv_aware sends them
-    all to the instance holding it; the guard (max - min > abs and max > rel x min) spreads them."""
+def test_kv_aware_cost_trades_hits_for_load():
+    """Every request shares one prefix and they pile up. kv_aware's cost (prefill blocks left
+    + decode blocks in flight) sends them to the instance holding the prefix until its work in
+    flight outweighs the prefill it saves; with the prefill weighted heavily it sends them all."""
     records = [rec([1, 2, 3, 4, 1000 + i], ts=i, out=1000) for i in range(30)]
     reqs = load_trace(records, BT)
-    greedy = FleetSimulator(3, 64, config(), "kv_aware", RouterConfig(balance_abs_threshold=1000))
+    greedy = FleetSimulator(3, 64, config(), "kv_aware", RouterConfig(overlap_weight=1e6))
     greedy.replay(reqs)
     assert greedy.result()["request_share_imbalance"] == pytest.approx(3.0)
-    guarded = FleetSimulator(3, 64, config(), "kv_aware", RouterConfig(balance_abs_threshold=2))
+    balanced = FleetSimulator(3, 64, config(), "kv_aware", RouterConfig())
+    balanced.replay(reqs)
+    res = balanced.result()
+    assert res["request_share_imbalance"] < 1.5 and res["peak_in_flight"] <= 12
+    assert res["hit_blocks"] > 0
+    balanced.check_integrity()
+
+
+def test_prefix_router_load_guard_spreads_a_hot_prefix():
+    """The text router follows its tree until the load is imbalanced (max - min > abs and
+    max > rel x min), then sends to the least loaded."""
+    records = [rec([1, 2, 3, 4, 1000 + i], ts=i, out=1000) for i in range(30)]
+    reqs = load_trace(records, BT)
+    greedy = FleetSimulator(3, 64, config(), "prefix", RouterConfig(balance_abs_threshold=1000))
+    greedy.replay(reqs)
+    assert greedy.result()["request_share_imbalance"] == pytest.approx(3.0)
+    guarded = FleetSimulator(3, 64, config(), "prefix", RouterConfig(balance_abs_threshold=2))
     guarded.replay(reqs)
     res = guarded.result()
     assert res["request_share_imbalance"] < 1.5 and res["peak_in_flight"] <= 12
     assert res["hit_blocks"] > 0
+    guarded.check_integrity()
 
 
 def test_deterministic():
@@ -313,10 +331,31 @@ def test_cli_fleet(tmp_path):
         r["points"][0].pop("sim_seconds")
     assert a == b and "instances" not in a
 
+    # --output-tokens replaces the trace's output lengths in the load model: shorter requests,
+    # fewer in flight
+    slow = ("--instances", "3", "--routing", "kv_aware", "--decode-s-per-token", "1", "--json")
+    long_out = json.loads(_cli(*common, *slow, "--output-tokens", "5").stdout)
+    short = _cli(*common, *slow, "--output-tokens", "1")
+    assert short.returncode == 0, short.stderr
+    flight = [r["points"][0]["policies"]["kv_aware"]["mean_in_flight"] for r in (long_out, json.loads(short.stdout))]
+    assert flight[1] < flight[0]
+
     bad = _cli(*common, "--instances", "2", "--routing", "random")
     assert bad.returncode == 2 and "routing" in bad.stderr
     bad = _cli(*common, "--instances", "2", "--plot", str(tmp_path / "p.png"))
     assert bad.returncode == 2 and "--plot" in bad.stderr
+
+
+def test_a_trace_replayed_with_fewer_tokens_per_id_has_shorter_prompts():
+    """A block holds at most block_tokens: Mooncake's 512-token ids replayed as 8 tokens each
+    (the fleet benchmark) give prompts of 8 per id, whatever input_length says."""
+    records = [rec([1, 2, 3], length=1300), rec([1, 2], length=700)]
+    native = load_trace(records, 512)
+    assert [r.input_length for r in native] == [1300, 700]
+    assert native[0].block_tokens == [512, 512, 276]
+    small = load_trace(records, 8)
+    assert [r.input_length for r in small] == [24, 16]
+    assert small[0].block_tokens == [8, 8, 8]
 
 
 def test_conversation_trace_ideal_block_hit_rate():
