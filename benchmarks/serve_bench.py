@@ -57,34 +57,15 @@ KEYS = (
 
 def add_word_tokenizer(model_dir: Path, out_dir: Path) -> Path:
     """A copy of `model_dir` (weights linked) with a word-level tokenizer: id i <-> 'w{i}'."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from kvtier.model.tokenizer import build_word_tokenizer
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    vocab_size = cfg["vocab_size"]
     out_dir.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         target = out_dir / f.name
         if not target.exists():
             target.symlink_to(f.resolve())
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {(specials[i] if i < 3 else f"w{i}"): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(specials)
-    tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "unk_token": "<unk>",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "add_bos_token": False,
-                "model_max_length": cfg.get("max_position_embeddings", 8192),
-                "clean_up_tokenization_spaces": False,
-            }
-        )
-    )
+    build_word_tokenizer(out_dir, cfg["vocab_size"], cfg.get("max_position_embeddings", 8192))
     return out_dir
 
 

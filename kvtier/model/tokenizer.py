@@ -630,6 +630,38 @@ def build_byte_tokenizer(out_dir: str | Path) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+def build_word_tokenizer(out_dir: str | Path, vocab_size: int, model_max_length: int = 8192) -> None:
+    """Write a word-level tokenizer into out_dir: id i <-> the word "w{i}" (0, 1, 2: <unk>, <s>,
+    </s>), words split on whitespace, no BOS added. Text made of such words round-trips to the
+    same ids, so a router or client that tokenizes text sees exactly the ids the engine caches
+    (the fleet tests and benchmarks, the vLLM connector tests). Needs only `tokenizers`."""
+    from tokenizers import Tokenizer as _HFTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    specials = ["<unk>", "<s>", "</s>"]
+    vocab = {(specials[i] if i < 3 else f"w{i}"): i for i in range(vocab_size)}
+    tok = _HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(specials)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "unk_token": "<unk>",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "add_bos_token": False,
+                "model_max_length": model_max_length,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+    )
+
+
 class _TemplateHost:
     """What Tokenizer.apply_chat_template reads of its tokenizer, for a request's template
     rendered away from the tokenizer (render_request_template)."""

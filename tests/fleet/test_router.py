@@ -31,9 +31,8 @@ def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama whose tokenizer maps id i <-> the word w{i}: text round-trips to the
     same ids, so the router (which tokenizes through the instance's /tokenize) and the engine
     see the same tokens."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from kvtier.model.builder import build_random_llama
+    from kvtier.model.tokenizer import build_word_tokenizer
 
     d = tmp_path_factory.mktemp("word_model")
     vocab = 512
@@ -48,13 +47,7 @@ def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=1024,
         dtype="float32",
     )
-    specials = ["<unk>", "<s>", "</s>"]
-    tok = Tokenizer(models.WordLevel({(specials[i] if i < 3 else f"w{i}"): i for i in range(vocab)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>", "eos_token": "</s>"})
-    )
+    build_word_tokenizer(d, vocab, 1024)
     return d
 
 

@@ -100,11 +100,6 @@ def _spec(model: Path, phases: list[dict], connector: dict | None, dtype: str = 
 
 def _word_tokenizer(model_dir: Path, vocab_size: int = 512) -> None:
     """Token i is the word w{i} (0-2 special): text round-trips exactly (ANCHORS.md's recipe)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from kvtier.model.tokenizer import build_word_tokenizer
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.save_pretrained(model_dir)
+    build_word_tokenizer(model_dir, vocab_size)
