@@ -126,48 +126,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     speed = m.add_argument_group(
         "speeds for the cost model (defaults: measured on the reference model, docs/benchmarks.md)"
     )
-    speed.add_argument(
-        "--host-gbps",
-        type=positive_float,
-        default=_SPEEDS.host_bytes_per_s / 1e9,
-        metavar="GB/S",
-        help=f"restore throughput from host, read + copy into the pool (default {_SPEEDS.host_bytes_per_s / 1e9:g})",
-    )
-    speed.add_argument(
-        "--host-latency-ms",
-        type=float,
-        default=_SPEEDS.host_latency_s * 1e3,
-        metavar="MS",
-        help=f"per restore touching host (default {_SPEEDS.host_latency_s * 1e3:g})",
-    )
-    speed.add_argument(
-        "--disk-gbps",
-        type=positive_float,
-        default=_SPEEDS.disk_bytes_per_s / 1e9,
-        metavar="GB/S",
-        help=f"restore throughput from disk (default {_SPEEDS.disk_bytes_per_s / 1e9:g})",
-    )
-    speed.add_argument(
-        "--disk-latency-ms",
-        type=float,
-        default=_SPEEDS.disk_latency_s * 1e3,
-        metavar="MS",
-        help=f"per restore touching disk (default {_SPEEDS.disk_latency_s * 1e3:g})",
-    )
-    speed.add_argument(
-        "--remote-gbps",
-        type=positive_float,
-        default=_SPEEDS.remote_bytes_per_s / 1e9,
-        metavar="GB/S",
-        help=f"restore throughput from the shared remote tier (default {_SPEEDS.remote_bytes_per_s / 1e9:g})",
-    )
-    speed.add_argument(
-        "--remote-latency-ms",
-        type=float,
-        default=_SPEEDS.remote_latency_s * 1e3,
-        metavar="MS",
-        help=f"per restore touching the remote tier (default {_SPEEDS.remote_latency_s * 1e3:g})",
-    )
+    for tier, what in (
+        ("host", "from host, read + copy into the pool"),
+        ("disk", "from disk"),
+        ("remote", "from the shared remote tier"),
+    ):
+        gbps = getattr(_SPEEDS, f"{tier}_bytes_per_s") / 1e9
+        latency_ms = getattr(_SPEEDS, f"{tier}_latency_s") * 1e3
+        speed.add_argument(
+            f"--{tier}-gbps",
+            type=positive_float,
+            default=gbps,
+            metavar="GB/S",
+            help=f"restore throughput {what} (default {gbps:g})",
+        )
+        speed.add_argument(
+            f"--{tier}-latency-ms",
+            type=float,
+            default=latency_ms,
+            metavar="MS",
+            help=f"per restore touching the {tier} tier (default {latency_ms:g})",
+        )
     speed.add_argument(
         "--prefill-s-per-token",
         type=positive_float,
@@ -272,12 +251,8 @@ def run(args: argparse.Namespace) -> int:
     if not caps:
         raise ValueError("give at least one capacity: --device-blocks N1,N2,...")
     speeds = TierSpeeds(
-        host_bytes_per_s=args.host_gbps * 1e9,
-        host_latency_s=args.host_latency_ms * 1e-3,
-        disk_bytes_per_s=args.disk_gbps * 1e9,
-        disk_latency_s=args.disk_latency_ms * 1e-3,
-        remote_bytes_per_s=args.remote_gbps * 1e9,
-        remote_latency_s=args.remote_latency_ms * 1e-3,
+        **{f"{t}_bytes_per_s": getattr(args, f"{t}_gbps") * 1e9 for t in ("host", "disk", "remote")},
+        **{f"{t}_latency_s": getattr(args, f"{t}_latency_ms") * 1e-3 for t in ("host", "disk", "remote")},
         prefill_s_per_token=args.prefill_s_per_token,
         prefill_s_per_token_pair=args.prefill_s_per_token_pair,
     )
