@@ -186,6 +186,7 @@ def test_a_subscriber_sees_exactly_what_the_device_and_each_tier_hold(byte_model
         replayed = sub.replay(2)
         assert [s for s, _ in replayed] == sub.seqs[2:]
         assert [p for _, p in replayed] == sub.payloads[2:]
+        clean(llm)
     finally:
         llm.close()
         sub.close()
@@ -228,6 +229,7 @@ def test_purge_reset_salts_and_restart(byte_model_dir: Path) -> None:
         llm.generate([{"prompt_token_ids": list(range(70, 90))}], GREEDY)
         sub.drain()
         assert sub.seqs and sub.seqs[0] == 0
+        clean(llm)
     finally:
         llm.close()
         sub.close()
@@ -242,6 +244,7 @@ def test_nothing_is_published_when_events_are_off(byte_model_dir: Path) -> None:
         ) as llm:
             assert llm.engine.kv_events is None
             llm.generate([{"prompt_token_ids": list(range(10, 30))}], GREEDY)
+            clean(llm)
             sub.drain(0.2)
     assert sub.seqs == []
     with socket.socket() as s:  # the port was never bound
