@@ -219,6 +219,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="kv_aware and oracle routers: cost = W x prefill blocks + decode blocks in flight (default 1)",
     )
     fleet.add_argument(
+        "--speedup",
+        type=positive_float,
+        default=1.0,
+        metavar="X",
+        help="load model: arrivals X times faster than the trace's timestamps (a benchmark's rate scale)",
+    )
+    fleet.add_argument(
         "--output-tokens",
         type=positive_int,
         default=None,
@@ -286,8 +293,12 @@ def run(args: argparse.Namespace) -> int:
             decode_s_per_token=args.decode_s_per_token,
         )
         reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
-        if args.output_tokens is not None:
-            reqs = [replace(r, output_length=args.output_tokens) for r in reqs]
+        if args.output_tokens is not None or args.speedup != 1.0:
+            out = args.output_tokens
+            reqs = [
+                replace(r, timestamp=r.timestamp / args.speedup, output_length=r.output_length if out is None else out)
+                for r in reqs
+            ]
         return _run_fleet(args, reqs, caps, config, router)
     reqs = load_trace(args.trace, block_tokens=args.block_tokens, limit=args.limit)
     res = simulate(reqs, caps, config)

@@ -337,8 +337,11 @@ def test_cli_fleet(tmp_path):
     long_out = json.loads(_cli(*common, *slow, "--output-tokens", "5").stdout)
     short = _cli(*common, *slow, "--output-tokens", "1")
     assert short.returncode == 0, short.stderr
-    flight = [r["points"][0]["policies"]["kv_aware"]["mean_in_flight"] for r in (long_out, json.loads(short.stdout))]
-    assert flight[1] < flight[0]
+    fast = _cli(*common, *slow, "--output-tokens", "1", "--speedup", "4")  # arrivals 4x closer: more
+    assert fast.returncode == 0, fast.stderr
+    runs = (long_out, json.loads(short.stdout), json.loads(fast.stdout))
+    flight = [r["points"][0]["policies"]["kv_aware"]["mean_in_flight"] for r in runs]
+    assert flight[1] < flight[0] and flight[2] > flight[1]
 
     bad = _cli(*common, "--instances", "2", "--routing", "random")
     assert bad.returncode == 2 and "routing" in bad.stderr
