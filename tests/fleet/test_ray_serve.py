@@ -47,6 +47,7 @@ class Fleet:
     url: str
     model: Path
     redis_url: str
+    args: dict
     app: str = "kvtier"
 
     def client(self, key: str = "sk-a") -> openai.OpenAI:
@@ -106,28 +107,26 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
         ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}, logging_level="warning")
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = build_app(
-            {
-                "model": str(model),
-                "num_replicas": 2,
-                "num_cpus": 1,
-                "router": "kv_event",
-                "served-model-name": "tiny",
-                "generation-config": "vllm",
-                "dtype": "float32",
-                "block-size": BS,
-                "num-device-blocks": 512,
-                "max-model-len": 2048,
-                "chat-template": TEMPLATE,
-                "api-keys": str(keys),
-                "remote-cache-url": redis_url,
-                "restore-policy": "always",
-                "kv-master-key-file": str(master),
-                "kv-key-check-interval-s": 0,
-            }
-        )
-        serve.run(app, name="kvtier", route_prefix="/")
-        yield Fleet(f"http://127.0.0.1:{port}", model, redis_url)
+        args = {
+            "model": str(model),
+            "num_replicas": 2,
+            "num_cpus": 1,
+            "router": "kv_event",
+            "served-model-name": "tiny",
+            "generation-config": "vllm",
+            "dtype": "float32",
+            "block-size": BS,
+            "num-device-blocks": 512,
+            "max-model-len": 2048,
+            "chat-template": TEMPLATE,
+            "api-keys": str(keys),
+            "remote-cache-url": redis_url,
+            "restore-policy": "always",
+            "kv-master-key-file": str(master),
+            "kv-key-check-interval-s": 0,
+        }
+        serve.run(build_app(args), name="kvtier", route_prefix="/")
+        yield Fleet(f"http://127.0.0.1:{port}", model, redis_url, args=args)
     finally:
         try:
             serve.shutdown()
@@ -291,3 +290,18 @@ def test_a_killed_replica_fails_its_stream_clearly_and_the_other_serves_and_rest
     for i in range(4):
         replica, _ = _complete(fleet, _words(700 + i, 20))
         assert replica in running
+
+
+def test_rays_prefix_router_places_revisits_too(fleet: Fleet) -> None:
+    """Ray's PrefixCacheAffinityRouter as is (imported without vLLM), on the same app: a revisit
+    of a text goes to the replica that served it (runs last: it redeploys the app)."""
+    from kvtier.integrations.ray_serve import build_app
+
+    serve.delete(fleet.app)
+    serve.run(build_app({**fleet.args, "router": "prefix"}), name=fleet.app, route_prefix="/")
+    prefixes = [_words(900 + i, 48) for i in range(6)]
+    first = [_complete(fleet, p)[0] for p in prefixes]
+    for i, p in enumerate(prefixes):
+        replica, usage = _complete(fleet, p + f" w{40 + i}")
+        assert replica == first[i], (i, first)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 48 - BS

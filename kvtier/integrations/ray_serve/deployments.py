@@ -3,6 +3,7 @@ per replica) and `KVTierIngress` (the HTTP entry: it reads each request, names w
 need, and streams the chosen replica's answer back). See the package docstring for the design."""
 
 import asyncio
+import dataclasses
 import json
 import logging
 import socket
@@ -12,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from kvtier.integrations.ray_serve.request import ForwardedRequest, parse_openai_body
+from kvtier.integrations.ray_serve.request import ForwardedRequest, forwarded
 
 logger = logging.getLogger("kvtier.ray_serve")
 
@@ -223,29 +224,23 @@ class KVTierIngress:
     def _forwarded(self, request: Request, body: bytes) -> ForwardedRequest:
         from kvtier.server.tenancy import api_key_from_header
 
-        path = request.url.path
-        obj, prompt, messages = parse_openai_body(path, body) if request.method == "POST" else (None, None, None)
-        salt = None
-        if obj is not None:
-            try:
-                tenant = self.resolver.resolve(api_key_from_header(request.headers.get("authorization")))
-                request_salt = obj.get("cache_salt")
-                salt = tenant.effective_salt(request_salt if isinstance(request_salt, str) else None)
-            except PermissionError:
-                salt = None  # the replica answers the 401
         client = request.client
-        return ForwardedRequest(
+        req = forwarded(
+            request.url.path,
             method=request.method,
-            path=path,
             query_string=request.url.query.encode("latin-1"),
             headers=[(k, v) for k, v in request.headers.raw if k.lower() != b"host"],
             body=body,
             client=(client.host, client.port) if client is not None else None,
-            prompt=prompt,
-            messages=messages,
-            body_json=obj,
-            cache_salt=salt,
         )
+        if req.body_json is not None:
+            try:
+                tenant = self.resolver.resolve(api_key_from_header(request.headers.get("authorization")))
+                salt = req.body_json.get("cache_salt")
+                req.cache_salt = tenant.effective_salt(salt if isinstance(salt, str) else None)
+            except PermissionError:
+                pass  # the replica answers the 401
+        return req
 
     async def __call__(self, request: Request) -> Response:
         body = await request.body()
@@ -287,7 +282,7 @@ class KVTierIngress:
             return _error(503, "no engine replica is running", "no_replicas")
 
         async def one(replica: str) -> tuple[int, dict[str, Any]]:
-            pinned = ForwardedRequest(**{**req.__dict__, "replica": replica})
+            pinned = dataclasses.replace(req, replica=replica)
 
             async def call() -> tuple[int, dict[str, Any]]:
                 stream = self.engine.remote(pinned)

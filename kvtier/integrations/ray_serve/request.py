@@ -1,8 +1,9 @@
 """What the ingress hands an engine replica through Ray: one HTTP request of the OpenAI API,
 whole, with the fields Ray's request routers read beside it (no Ray import here).
 
-`prompt` (completions) and `messages` (chat) are the request body's own fields, so Ray's
-`PrefixCacheAffinityRouter` reads them as it reads ray.serve.llm's requests; `cache_salt` is
+`prompt` (a completion: ForwardedCompletion) and `messages` (a chat: ForwardedChat) are the
+request body's own fields, so Ray's `PrefixCacheAffinityRouter` reads them as it reads
+ray.serve.llm's requests; `cache_salt` is
 the salt the replica will key the request's blocks with (the tenant's, narrowed by the
 request's `cache_salt`: kvtier.server.tenancy.Tenant.effective_salt), which the KV-event router
 needs to compute the replica's block hashes. It travels inside the Ray cluster only; the
@@ -21,16 +22,14 @@ CHAT = "/v1/chat/completions"
 
 @dataclass
 class ForwardedRequest:
+    """Any request but a completion or a chat one (admin calls, /v1/models, /tokenize ...)."""
+
     method: str
     path: str
     query_string: bytes = b""
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     body: bytes = b""
     client: tuple[str, int] | None = None
-    prompt: Any = None
-    """The completions request's `prompt` (a string, token ids or a list of those), else None."""
-    messages: Any = None
-    """The chat request's `messages`, else None."""
     body_json: dict[str, Any] | None = None
     """The parsed body of a completions / chat request (None when it is not a JSON object: the
     replica answers the error)."""
@@ -39,6 +38,43 @@ class ForwardedRequest:
     replica: str | None = None
     """A replica's full id: the request must go to that replica (an admin call fanned out to
     every replica); None: the router chooses."""
+
+
+@dataclass
+class ForwardedCompletion(ForwardedRequest):
+    """A /v1/completions request. Only this class has `prompt`: Ray's PrefixCacheAffinityRouter
+    takes the first of `messages` / `prompt` an argument has, even when it is None."""
+
+    prompt: Any = None
+    """The request's `prompt` (a string, token ids or a list of those)."""
+
+
+@dataclass
+class ForwardedChat(ForwardedRequest):
+    """A /v1/chat/completions request (only this class has `messages`)."""
+
+    messages: Any = None
+
+
+def forwarded(path: str, **fields: Any) -> ForwardedRequest:
+    """The ForwardedRequest for `path`, its prompt or messages read from the body."""
+    obj, prompt, messages = None, None, None
+    if fields.get("method") == "POST":
+        obj, prompt, messages = parse_openai_body(path, fields.get("body", b""))
+    if obj is not None and path == COMPLETIONS:
+        return ForwardedCompletion(path=path, body_json=obj, prompt=prompt, **fields)
+    if obj is not None and path == CHAT:
+        return ForwardedChat(path=path, body_json=obj, messages=messages, **fields)
+    return ForwardedRequest(path=path, **fields)
+
+
+def prompt_of(req: Any) -> Any:
+    """The completion's prompt or the chat's messages (None for any other request)."""
+    if isinstance(req, ForwardedCompletion):
+        return req.prompt
+    if isinstance(req, ForwardedChat):
+        return req.messages
+    return None
 
 
 def parse_openai_body(path: str, body: bytes) -> tuple[dict[str, Any] | None, Any, Any]:
@@ -67,7 +103,7 @@ def routing_token_ids(tokenizer: Any, req: ForwardedRequest) -> list[int] | None
     if req.body_json is None or tokenizer is None:
         return None
     try:
-        if req.path == COMPLETIONS:
+        if isinstance(req, ForwardedCompletion):
             prompt = req.prompt
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]

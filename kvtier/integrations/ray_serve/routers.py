@@ -47,7 +47,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvtier.integrations.ray_serve.request import ForwardedRequest, routing_token_ids
+from kvtier.integrations.ray_serve.request import ForwardedRequest, prompt_of, routing_token_ids
 from kvtier.kv_events import END_SEQ, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
 from kvtier.kvcache.keys import chain_keys, root_key
 
@@ -109,7 +109,7 @@ class PinnablePrefixRouter(PrefixCacheAffinityRouter):
 
     def _has_text(self, pending_request: PendingRequest | None) -> bool:
         req = _forwarded(pending_request)
-        if pending_request is None or req is None or (req.prompt is None and req.messages is None):
+        if pending_request is None or prompt_of(req) is None:
             return False
         return bool(self._extract_text_from_request(pending_request))
 
@@ -321,7 +321,7 @@ class KVEventRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             candidate_replicas,
             pending_request,
         )
-        if req is None or pending_request is None or (req.prompt is None and req.messages is None):
+        if req is None or pending_request is None or prompt_of(req) is None:
             return fallback
         self._follow(candidate_replicas)
         stats = next((r.routing_stats for r in candidate_replicas if (r.routing_stats or {}).get("fingerprint")), None)
