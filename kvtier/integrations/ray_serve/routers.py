@@ -245,6 +245,25 @@ class KVEventRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._tokenizer: Any = None
         self._blocks: dict[ReplicaID, _ReplicaBlocks] = {}
         self._hashes: dict[str, list[int]] = {}
+        # the tokenizer loads on a thread: until it is there, requests go by load alone, and the
+        # event loop that routes every request of this process never waits for it
+        threading.Thread(target=self._load_tokenizer, name="kv-router-tokenizer", daemon=True).start()
+
+    def _load_tokenizer(self) -> None:
+        from kvtier.model.tokenizer import Tokenizer, has_tokenizer
+
+        if self._model is None or not has_tokenizer(self._model):
+            return
+        try:
+            tokenizer = Tokenizer(self._model)
+            if self._chat_template is not None:
+                from kvtier.cli.serve import use_chat_template
+
+                use_chat_template(tokenizer, self._chat_template)
+        except Exception:  # without a tokenizer the router balances by load (logged with the reason)
+            logger.exception("KVEventRouter: the tokenizer of %s did not load; routing by load only", self._model)
+            return
+        self._tokenizer = tokenizer
 
     # -- what the router knows of each replica
     def _follow(self, replicas: Iterable[RunningReplica]) -> None:
@@ -290,15 +309,6 @@ class KVEventRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if hashes is not None:
             return hashes
         hashes = []
-        if self._tokenizer is None and self._model is not None:
-            from kvtier.model.tokenizer import Tokenizer, has_tokenizer
-
-            if has_tokenizer(self._model):
-                self._tokenizer = Tokenizer(self._model)
-                if self._chat_template is not None:
-                    from kvtier.cli.serve import use_chat_template
-
-                    use_chat_template(self._tokenizer, self._chat_template)
         ids = routing_token_ids(self._tokenizer, req)
         if ids:
             bs = int(stats["block_size"])
