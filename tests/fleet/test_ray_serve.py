@@ -206,6 +206,21 @@ def test_kv_event_router_sends_a_revisit_where_its_prefix_is(fleet: Fleet) -> No
         assert details["cached_tokens"] >= 48 - BS, (i, details)
         assert details["cached_tokens_by_tier"].get("remote", 0) == 0, (i, details)
 
+    # chats: the router renders the chat template as the replica does
+    def chat(messages: list[dict]) -> tuple[str, dict]:
+        raw = fleet.client().chat.completions.with_raw_response.create(
+            model="tiny", messages=messages, max_tokens=2, temperature=0, extra_body={"ignore_eos": True}
+        )
+        return raw.headers[REPLICA], raw.parse().usage.model_dump()
+
+    talks = [[{"role": "user", "content": _words(200 + i, 48)}] for i in range(6)]
+    first = [chat(t)[0] for t in talks]
+    for i, t in enumerate(talks):
+        turn = [*t, {"role": "assistant", "content": "w5 w6"}, {"role": "user", "content": f"w{50 + i}"}]
+        replica, usage = chat(turn)
+        assert replica == first[i], (i, first)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 48 - BS, (i, usage)
+
 
 def _redis_keys(fleet: Fleet) -> set[bytes]:
     r = redis.Redis.from_url(fleet.redis_url)
