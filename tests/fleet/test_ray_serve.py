@@ -177,6 +177,16 @@ def test_greedy_outputs_equal_kvtiers_own_engine(fleet: Fleet, reference: object
     )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want_chat
 
+    # X-Request-Id: the response id's suffix, echoed back once (as `kvtier serve`)
+    res = httpx.post(
+        fleet.url + "/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 1},
+        headers={"Authorization": "Bearer sk-a", "X-Request-Id": "trace-42"},
+        timeout=120,
+    )
+    assert res.status_code == 200 and res.json()["id"] == "cmpl-trace-42", res.text
+    assert res.headers.get_list("x-request-id") == ["trace-42"]
+
     # the same errors as `kvtier serve`: a bad key, an unknown model
     with pytest.raises(openai.AuthenticationError):
         fleet.client("sk-nobody").completions.create(model="tiny", prompt=prompt, max_tokens=1)

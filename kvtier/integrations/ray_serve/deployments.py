@@ -272,7 +272,9 @@ class KVTierIngress:
         response.raw_headers = [
             (k.encode("latin-1"), v.encode("latin-1"))
             for k, v in head["headers"]
-            if k.lower() not in ("transfer-encoding", "connection")
+            # Ray's proxy sets x-request-id itself (the client's, or one it made and passed on, which
+            # the replica's app echoed): once is enough
+            if k.lower() not in ("transfer-encoding", "connection", "x-request-id")
         ]
         return response
 
