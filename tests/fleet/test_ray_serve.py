@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -187,6 +188,15 @@ def test_greedy_outputs_equal_kvtiers_own_engine(fleet: Fleet, reference: object
     assert res.status_code == 200 and res.json()["id"] == "cmpl-trace-42", res.text
     assert res.headers.get_list("x-request-id") == ["trace-42"]
 
+    # a body over --max-body-bytes (4 MiB by default): the 413 of `kvtier serve`
+    res = httpx.post(
+        fleet.url + "/v1/completions",
+        content=b'{"prompt": "' + b"w5 " * (2 << 20) + b'"}',
+        headers={"Authorization": "Bearer sk-a", "Content-Type": "application/json"},
+        timeout=120,
+    )
+    assert res.status_code == 413 and res.json()["error"]["code"] == "request_too_large", res.text
+
     # the same errors as `kvtier serve`: a bad key, an unknown model
     with pytest.raises(openai.AuthenticationError):
         fleet.client("sk-nobody").completions.create(model="tiny", prompt=prompt, max_tokens=1)
@@ -275,6 +285,22 @@ def test_a_killed_replica_fails_its_stream_clearly_and_the_other_serves_and_rest
     prompt = prefix + " w7"
     want = reference.generate([prompt], _greedy(1500), use_tqdm=False)[0].outputs[0].text  # type: ignore[attr-defined]
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 1500, "temperature": 0, "ignore_eos": True, "stream": True}
+    # and a request that is not streamed, sent first, on the same replica (it holds the prefix)
+    whole_prompt = prefix + " w8"
+    want_whole = reference.generate([whole_prompt], _greedy(1500), use_tqdm=False)[0].outputs[0].text  # type: ignore[attr-defined]
+    whole: dict = {}
+
+    def send_whole() -> None:
+        r = httpx.post(
+            fleet.url + "/v1/completions",
+            json={**body, "prompt": whole_prompt, "stream": False},
+            headers={"Authorization": "Bearer sk-a"},
+            timeout=120,
+        )
+        whole.update(status=r.status_code, body=r.json())
+
+    sender = threading.Thread(target=send_whole)
+    sender.start()
     text, events = "", []
     with httpx.stream(
         "POST", fleet.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sk-a"}, timeout=120
@@ -294,6 +320,11 @@ def test_a_killed_replica_fails_its_stream_clearly_and_the_other_serves_and_rest
                     text += event["choices"][0]["text"]
     assert events and events[-1]["error"]["code"] == "replica_failed", events[-1:]
     assert want.startswith(text) and len(text) < len(want)  # what came was right; the rest never came
+    sender.join()
+    if whole["status"] == 200:  # it reached the other replica after all: then whole and right
+        assert whole["body"]["choices"][0]["text"] == want_whole
+    else:  # it was in flight on the killed replica: a clear error, no output
+        assert whole["status"] == 503 and whole["body"]["error"]["code"] == "replica_failed", whole
 
     # the other replica serves on, and restores the killed one's prefix from Redis
     for i in range(3):

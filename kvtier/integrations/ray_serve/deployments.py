@@ -242,8 +242,22 @@ class KVTierIngress:
                 pass  # the replica answers the 401
         return req
 
+    async def _body(self, request: Request) -> bytes:
+        """The body, at most --max-body-bytes + 1 of it: past that the replica's app answers the 413
+        (the rest is read and dropped up to a bound, as kvtier.server.app.read_json does)."""
+        limit = self.config.max_body_bytes
+        body = bytearray()
+        seen = 0
+        async for chunk in request.stream():
+            seen += len(chunk)
+            if len(body) <= limit:
+                body += chunk[: limit + 1 - len(body)]
+            if seen > 16 * limit:
+                break
+        return bytes(body)
+
     async def __call__(self, request: Request) -> Response:
-        body = await request.body()
+        body = await self._body(request)
         req = self._forwarded(request, body)
         if (req.method, req.path) in FAN_OUT:
             return await self._fan_out(req)

@@ -294,14 +294,6 @@ class KVEventRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         self._forget(replica_id)
 
-    def held_blocks(self) -> dict[str, int]:
-        """Blocks each followed replica holds (by replica id), as the router sees them."""
-        out = {}
-        for rid, blocks in self._blocks.items():
-            with blocks.lock:
-                out[rid.to_full_id_str()] = len(blocks.media)
-        return out
-
     # -- the request's block hashes
     def _request_hashes(self, pending_request: PendingRequest, req: ForwardedRequest, stats: dict) -> list[int]:
         key = pending_request.metadata.internal_request_id
