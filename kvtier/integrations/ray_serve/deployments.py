@@ -51,6 +51,7 @@ class KVTierEngine:
 
     def __init__(self, serve_argv: list[str], num_cpus: float) -> None:
         import ray
+        from ray import serve
 
         from kvtier import LLM
         from kvtier.cli.serve import engine_settings, server_settings, use_chat_template
@@ -72,8 +73,6 @@ class KVTierEngine:
         )
         kw["kv_events_config"] = events
         ip = ray.util.get_node_ip_address()
-        from ray import serve
-
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
         self.llm = LLM(args.model, **kw)
         use_chat_template(self.llm.tokenizer, args.chat_template)
