@@ -236,6 +236,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            replica = r.headers.get("x-kvtier-replica")  # kvtier on Ray Serve names the replica
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -255,6 +256,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
         "prompt_tokens": usage["prompt_tokens"],
         "cached": details.get("cached_tokens") or 0,
         "by_tier": details.get("cached_tokens_by_tier") or {},
+        "replica": replica,
     }
 
 

@@ -335,8 +335,31 @@ def run(args: argparse.Namespace) -> int:
     # operator asked for, with the level and source on each line (uvicorn formats its own)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from kvtier.engine.frontend import make_engine_client
-    from kvtier.server.app import ServerConfig, run_server
+    from kvtier.server.app import run_server
     from kvtier.server.request_log import RequestLog
+
+    config, tenants = server_settings(args)
+    log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
+    try:
+        if args.engine_in_process:
+            with LLM(args.model, **args.engine_kwargs) as llm:
+                use_chat_template(llm.tokenizer, args.chat_template)
+                client = make_engine_client(core=llm.engine, **engine_settings(args, tenants))
+                return run_server(
+                    client, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
+                )
+        return _serve_engine_process(args, config, tenants, log)
+    finally:
+        if log is not None:
+            log.close()
+
+
+def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(ServerConfig, tenant resolver or None) from parsed `kvtier serve` flags, checked before
+    any model loads; `args.model` is set from the positional MODEL. Also what each Ray Serve
+    replica runs (kvtier.integrations.ray_serve), so both serve with the same settings."""
+    from kvtier.sampling_params import generation_defaults
+    from kvtier.server.app import ServerConfig
     from kvtier.server.serving import RequestLimits
     from kvtier.server.tenancy import ApiKeyResolver, read_admin_key
 
@@ -354,8 +377,6 @@ def run(args: argparse.Namespace) -> int:
 
         make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
     names = tuple(args.served_model_name or (args.model,))
-    from kvtier.sampling_params import generation_defaults
-
     defaults = generation_defaults(args.model, args.generation_config)
     config = ServerConfig(
         host=args.host,
@@ -397,22 +418,10 @@ def run(args: argparse.Namespace) -> int:
         read_master_key(args.kv_master_key_file)  # a bad file fails before the model loads
         if not args.engine_kwargs.get("remote_cache_url"):
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
-    log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
-    try:
-        if args.engine_in_process:
-            with LLM(args.model, **args.engine_kwargs) as llm:
-                _use_chat_template(llm.tokenizer, args.chat_template)
-                client = make_engine_client(core=llm.engine, **_engine_settings(args, tenants))
-                return run_server(
-                    client, llm.tokenizer, config, log_level=args.log_level, tenants=tenants, request_log=log
-                )
-        return _serve_engine_process(args, config, tenants, log)
-    finally:
-        if log is not None:
-            log.close()
+    return config, tenants
 
 
-def _use_chat_template(tokenizer: Any, template: str | None) -> None:
+def use_chat_template(tokenizer: Any, template: str | None) -> None:
     """--chat-template: a file's text, or the argument itself when it is no file."""
     if template is None:
         return
@@ -427,7 +436,7 @@ def _use_chat_template(tokenizer: Any, template: str | None) -> None:
     tokenizer.set_chat_template(text)
 
 
-def _engine_settings(args: argparse.Namespace, tenants: Any) -> dict[str, Any]:
+def engine_settings(args: argparse.Namespace, tenants: Any) -> dict[str, Any]:
     """make_engine_client's tenant and fleet key settings, the same in both engine modes."""
     from kvtier.server.app import tenant_settings
     from kvtier.server.tenancy import SingleTenantResolver
@@ -445,11 +454,11 @@ def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, l
     from kvtier.server.app import run_server
 
     tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
-    _use_chat_template(tokenizer, args.chat_template)
+    use_chat_template(tokenizer, args.chat_template)
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
     plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))
     client = make_engine_client(
-        model=args.model, engine_kwargs=args.engine_kwargs, log_level=args.log_level, **_engine_settings(args, tenants)
+        model=args.model, engine_kwargs=args.engine_kwargs, log_level=args.log_level, **engine_settings(args, tenants)
     )
     try:
         # this process is the engine's helper: off its compute CPUs where there are spare ones

@@ -391,14 +391,7 @@ class OpenAIServing:
                     dict(req.chat_template_kwargs or {}),
                 )
             else:
-                text = self.tokenizer.apply_chat_template(
-                    messages,
-                    req.add_generation_prompt,
-                    tools=req.tools if with_tools else None,
-                    chat_template=req.chat_template,
-                    continue_final_message=req.continue_final_message,
-                    **(req.chat_template_kwargs or {}),
-                )
+                text = render_chat(self.tokenizer, req, with_tools)
         except TemplateError as e:
             where = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(f"the chat template failed on these messages: {e}", param=where) from None
@@ -850,6 +843,22 @@ def _validated(model: Any, body: dict[str, Any]) -> Any:
 
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def render_chat(tokenizer: Any, req: ChatCompletionRequest, with_tools: bool = True) -> str:
+    """The chat text the server tokenizes for `req` (with add_special_tokens=False), rendered in
+    this process by the tokenizer's template or the request's own; a KV-aware router
+    (kvtier.integrations.ray_serve) computes a request's token ids with it too."""
+    return str(
+        tokenizer.apply_chat_template(
+            [m.for_template() for m in req.messages],
+            req.add_generation_prompt,
+            tools=req.tools if with_tools else None,
+            chat_template=req.chat_template,
+            continue_final_message=req.continue_final_message,
+            **(req.chat_template_kwargs or {}),
+        )
+    )
 
 
 def valid_request_id(rid: str) -> bool:
