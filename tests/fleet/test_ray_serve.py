@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -74,16 +73,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from serve_bench import add_word_tokenizer
-
     from kvtier.integrations.ray_serve import build_app
     from kvtier.model.builder import build_random_llama
+    from kvtier.model.tokenizer import build_word_tokenizer
 
     tmp = tmp_path_factory.mktemp("ray_serve")
-    raw = tmp / "weights"
+    model = tmp / "model"
     build_random_llama(
-        raw,
+        model,
         hidden_size=64,
         num_layers=2,
         num_heads=4,
@@ -93,7 +90,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         max_position_embeddings=2048,
         dtype="float32",
     )
-    model = add_word_tokenizer(raw, tmp / "model")
+    build_word_tokenizer(model, 512, 2048)
     keys = tmp / "keys.json"
     keys.write_text(
         json.dumps({"keys": {"sk-a": "alpha", "sk-b": "beta", "sk-admin": {"tenant": "ops", "admin": True}}})
