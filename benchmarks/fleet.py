@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -232,23 +233,33 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
     t0 = time.perf_counter()
     times: list[float] = []
     usage: dict[str, Any] | None = None
+    text, replica = "", None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
             replica = r.headers.get("x-kvtier-replica")  # kvtier on Ray Serve names the replica
+            if r.status_code != 200:
+                raw = await r.aread()
+                try:
+                    code = json.loads(raw)["error"].get("code")
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    code = None
+                return {"error": f"HTTP {r.status_code}: {raw[:200]!r}", "code": code, "sent": t0, "text": ""}
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):  # an SSE error event: the stream ends here
+                    err = chunk["error"]
+                    return {"error": str(err.get("message")), "code": err.get("code"), "sent": t0, "text": text}
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
                     times.append(time.perf_counter() - t0)
+                    text += chunk["choices"][0]["text"]
                 if chunk.get("usage"):
                     usage = chunk["usage"]
     except httpx.HTTPError as e:
-        return {"error": repr(e)}
+        return {"error": repr(e), "code": None, "sent": t0, "text": text}
     if not times or usage is None:
-        return {"error": "no tokens or no usage"}
+        return {"error": "no tokens or no usage", "code": None, "sent": t0, "text": text}
     details = usage.get("prompt_tokens_details") or {}
     return {
         "ttft": times[0],
@@ -257,6 +268,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: str, max
         "cached": details.get("cached_tokens") or 0,
         "by_tier": details.get("cached_tokens_by_tier") or {},
         "replica": replica,
+        "sent": t0,
+        "text": text,
     }
 
 
@@ -281,6 +294,29 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def reference_texts(model_dir: Path, prompts: list[tuple[float, str, int]], max_tokens: int) -> list[str]:
+    """Each prompt's greedy output from kvtier's engine in this process, one request at a time
+    (the replay's max_tokens for it, ignore_eos): what every instance must answer."""
+    from kvtier import LLM, SamplingParams
+
+    out = []
+    with LLM(str(model_dir), dtype="float32", num_threads=1, max_model_len=8192) as llm:
+        for _, prompt, out_len in prompts:
+            params = SamplingParams(max_tokens=min(out_len, max_tokens) or 1, temperature=0.0, ignore_eos=True)
+            out.append(llm.generate([prompt], params)[0].outputs[0].text)
+    return out
+
+
+def check_outputs(results: list[dict], reference: list[str]) -> dict[str, int]:
+    """Completed requests whose text differs from the reference, and failed ones whose partial
+    text is not a prefix of it (wrong tokens before the error)."""
+    wrong = sum(1 for r, ref in zip(results, reference) if "error" not in r and r["text"] != ref)
+    wrong_partial = sum(
+        1 for r, ref in zip(results, reference) if "error" in r and r.get("text") and not ref.startswith(r["text"])
+    )
+    return {"checked": len(reference), "wrong_outputs": wrong, "wrong_partial_outputs": wrong_partial}
+
+
 def summarize(results: list[dict], seconds: float) -> dict[str, Any]:
     ok = [r for r in results if "error" not in r]
     prompt = sum(r["prompt_tokens"] for r in ok)
@@ -294,6 +330,7 @@ def summarize(results: list[dict], seconds: float) -> dict[str, Any]:
         "requests": len(results),
         "errors": len(results) - len(ok),
         "error_examples": [r["error"] for r in results if "error" in r][:3],
+        "error_codes": dict(collections.Counter(str(r.get("code")) for r in results if "error" in r)),
         "prompt_tokens": prompt,
         "hit_rate": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
         "hit_rate_by_tier": {t: round(n / prompt, 4) for t, n in sorted(by_tier.items())} if prompt else {},
@@ -317,6 +354,7 @@ def main() -> None:
     ap.add_argument("--redis", action="store_true", help="also run every policy with a shared Redis tier")
     ap.add_argument("--rate-scale", type=float, default=1.0, help="replay the trace this many times faster")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--check-tokens", action="store_true", help="compare every output with kvtier's own greedy output")
     ap.add_argument(
         "--router-arg",
         action="append",
@@ -329,6 +367,7 @@ def main() -> None:
     ensure_model(args.model_dir)
     vocab = SMALL_MODEL["vocab_size"]
     prompts = trace_prompts(args.trace, args.start, args.requests, args.tokens_per_id, vocab)
+    reference = reference_texts(args.model_dir, prompts, args.max_tokens) if args.check_tokens else None
     variants = [(p, False) for p in args.policies.split(",")]
     if args.redis:
         variants += [(p, True) for p in args.policies.split(",")]
@@ -351,6 +390,8 @@ def main() -> None:
                 load0 = os.getloadavg()[0]
                 results = asyncio.run(replay(fleet.router_url, str(args.model_dir), prompts, args))
                 row = summarize(results, time.perf_counter() - t0)
+                if reference is not None:
+                    row.update(check_outputs(results, reference))
                 row.update(policy=policy, redis=redis, load_1m=[round(load0, 2), round(os.getloadavg()[0], 2)])
                 per_instance = []
                 for url in fleet.urls:

@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,78 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from fleet import MODEL_DIR, SMALL_MODEL, TRACE, ensure_model, replay, summarize, trace_prompts  # noqa: E402
+from fleet import (  # noqa: E402
+    MODEL_DIR,
+    SMALL_MODEL,
+    TRACE,
+    check_outputs,
+    ensure_model,
+    reference_texts,
+    replay,
+    summarize,
+    trace_prompts,
+)
 
 from kvtier.bench.server import free_port, start_redis_server, stop_process  # noqa: E402
+from kvtier.integrations.ray_serve import ENGINE_DEPLOYMENT  # noqa: E402
 
 
-def run_policy(args: argparse.Namespace, policy: str, redis: bool, prompts: list, tmp: Path, url: str) -> dict:
+class Killer(threading.Thread):
+    """Kills one engine replica (its Ray actor; Ray Serve then replaces it) `after_s` seconds
+    into the replay, as a crash would."""
+
+    def __init__(self, after_s: float) -> None:
+        super().__init__(daemon=True)
+        self.after_s = after_s
+        self.replica: str | None = None
+        self.at: float | None = None
+
+    def run(self) -> None:
+        import ray
+
+        time.sleep(self.after_s)
+        names = sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "serve" and ENGINE_DEPLOYMENT in a["name"]
+        )
+        self.replica, self.at = names[0], time.perf_counter()
+        ray.kill(ray.get_actor(self.replica, namespace="serve"), no_restart=False)
+
+
+def kill_report(results: list[dict], killer: Killer, start: float, guard_s: float) -> dict[str, Any]:
+    """What the kill did: the errors (all after it), requests answered by the dead replica after
+    it (none may be), errors of requests sent after the health check had time to notice, and
+    how the replacement replicas' hits came (from Redis: warm)."""
+    assert killer.at is not None
+    before = {r["replica"] for r in results if "error" not in r and r["sent"] < killer.at}
+    new = [r for r in results if "error" not in r and r["replica"] not in before]
+    errors = [r for r in results if "error" in r]
+    return {
+        "killed": killer.replica,
+        "killed_at_s": round(killer.at - start, 1),
+        "errors_before_kill": sum(1 for r in errors if r["sent"] < killer.at - 5.0),
+        "errors_after_kill": len(errors),
+        "answered_by_dead_replica_after_kill": sum(
+            1 for r in results if "error" not in r and r["replica"] == killer.replica and r["sent"] > killer.at
+        ),
+        "errors_sent_after_health_check": sum(1 for r in errors if r["sent"] > killer.at + guard_s),
+        "replacement_requests": len(new),
+        "replacement_hit_tokens_by_tier": dict(
+            sum((collections.Counter(r["by_tier"]) for r in new), collections.Counter())
+        ),
+    }
+
+
+def run_policy(
+    args: argparse.Namespace,
+    policy: str,
+    redis: bool,
+    prompts: list,
+    tmp: Path,
+    url: str,
+    reference: list[str] | None = None,
+) -> dict:
     from ray import serve
 
     from kvtier.integrations.ray_serve import build_app
@@ -62,8 +129,16 @@ def run_policy(args: argparse.Namespace, policy: str, redis: bool, prompts: list
         serve.run(app, name="kvtier", route_prefix="/")
         t0 = time.perf_counter()
         load0 = os.getloadavg()[0]
+        killer = Killer(args.kill_after) if args.kill_after is not None else None
+        if killer is not None:
+            killer.start()
         results = asyncio.run(replay(url, str(args.model_dir), prompts, args))
         row = summarize(results, time.perf_counter() - t0)
+        if reference is not None:
+            row.update(check_outputs(results, reference))
+        if killer is not None:
+            killer.join()
+            row["kill"] = kill_report(results, killer, t0, args.kill_guard_s)
         row.update(policy=policy, redis=redis, load_1m=[round(load0, 2), round(os.getloadavg()[0], 2)])
         per_replica = collections.Counter(r.get("replica") for r in results if "error" not in r)
         row["requests_per_instance"] = sorted(per_replica.values(), reverse=True)
@@ -90,12 +165,23 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--check-tokens", action="store_true", help="compare every output with kvtier's own greedy output")
+    ap.add_argument(
+        "--kill-after", type=float, default=None, metavar="S", help="kill one engine replica S seconds into each run"
+    )
+    ap.add_argument(
+        "--kill-guard-s",
+        type=float,
+        default=5.0,
+        help="with --kill-after: a request sent this long after the kill must not fail (health check period + margin)",
+    )
     args = ap.parse_args()
     import ray
     from ray import serve
 
     ensure_model(args.model_dir)
     prompts = trace_prompts(args.trace, args.start, args.requests, args.tokens_per_id, SMALL_MODEL["vocab_size"])
+    reference = reference_texts(args.model_dir, prompts, args.max_tokens) if args.check_tokens else None
     variants = [(p, False) for p in args.policies.split(",")]
     if args.redis:
         variants += [(p, True) for p in args.policies.split(",")]
@@ -121,7 +207,7 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         with tempfile.TemporaryDirectory(prefix="kvtier-ray-fleet-") as tmp:
             for policy, redis in variants:
-                row = run_policy(args, policy, redis, prompts, Path(tmp), f"http://127.0.0.1:{port}")
+                row = run_policy(args, policy, redis, prompts, Path(tmp), f"http://127.0.0.1:{port}", reference)
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
                 if args.out:
