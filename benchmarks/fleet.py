@@ -341,6 +341,29 @@ def summarize(results: list[dict], seconds: float) -> dict[str, Any]:
     }
 
 
+def plan(args: argparse.Namespace) -> tuple[list, list[str] | None, list[tuple[str, bool]], dict[str, Any]]:
+    """What a replay run needs from its arguments: the slice's prompts, the reference outputs
+    (--check-tokens), the (policy, redis) variants and the report's head (machine, config, slice)."""
+    ensure_model(args.model_dir)
+    vocab = SMALL_MODEL["vocab_size"]
+    prompts = trace_prompts(args.trace, args.start, args.requests, args.tokens_per_id, vocab)
+    reference = reference_texts(args.model_dir, prompts, args.max_tokens) if args.check_tokens else None
+    variants = [(p, False) for p in args.policies.split(",")]
+    if args.redis:
+        variants += [(p, True) for p in args.policies.split(",")]
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "slice": {
+            "requests": len(prompts),
+            "span_s": prompts[-1][0],
+            "mean_prompt_words": statistics.mean(len(p.split()) for _, p, _ in prompts),
+        },
+        "runs": [],
+    }
+    return prompts, reference, variants, report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=TRACE)
@@ -364,23 +387,7 @@ def main() -> None:
     ap.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    ensure_model(args.model_dir)
-    vocab = SMALL_MODEL["vocab_size"]
-    prompts = trace_prompts(args.trace, args.start, args.requests, args.tokens_per_id, vocab)
-    reference = reference_texts(args.model_dir, prompts, args.max_tokens) if args.check_tokens else None
-    variants = [(p, False) for p in args.policies.split(",")]
-    if args.redis:
-        variants += [(p, True) for p in args.policies.split(",")]
-    report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "slice": {
-            "requests": len(prompts),
-            "span_s": prompts[-1][0],
-            "mean_prompt_words": statistics.mean(len(p.split()) for _, p, _ in prompts),
-        },
-        "runs": [],
-    }
+    prompts, reference, variants, report = plan(args)
     with tempfile.TemporaryDirectory(prefix="kvtier-fleet-") as tmp:
         for policy, redis in variants:
             fleet = Fleet(args, policy, redis, Path(tmp))

@@ -19,7 +19,6 @@ import asyncio
 import collections
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -33,14 +32,11 @@ sys.path.insert(0, str(HERE.parent))
 
 from fleet import (  # noqa: E402
     MODEL_DIR,
-    SMALL_MODEL,
     TRACE,
     check_outputs,
-    ensure_model,
-    reference_texts,
+    plan,
     replay,
     summarize,
-    trace_prompts,
 )
 
 from kvtier.bench.server import free_port, start_redis_server, stop_process  # noqa: E402
@@ -179,22 +175,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    ensure_model(args.model_dir)
-    prompts = trace_prompts(args.trace, args.start, args.requests, args.tokens_per_id, SMALL_MODEL["vocab_size"])
-    reference = reference_texts(args.model_dir, prompts, args.max_tokens) if args.check_tokens else None
-    variants = [(p, False) for p in args.policies.split(",")]
-    if args.redis:
-        variants += [(p, True) for p in args.policies.split(",")]
-    report: dict[str, Any] = {
-        "machine": {"cpus": os.cpu_count(), "load_before": os.getloadavg()},
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "slice": {
-            "requests": len(prompts),
-            "span_s": prompts[-1][0],
-            "mean_prompt_words": statistics.mean(len(p.split()) for _, p, _ in prompts),
-        },
-        "runs": [],
-    }
+    prompts, reference, variants, report = plan(args)
     env = {"PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
     ray.init(
         num_cpus=args.ray_cpus or args.instances * args.threads,
