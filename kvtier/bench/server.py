@@ -39,7 +39,7 @@ def free_port() -> int:
 
 
 def start_redis_server(
-    data_dir: str | Path, port: int | None = None, ready_timeout_s: float = 30.0
+    data_dir: str | Path, port: int | None = None, ready_timeout_s: float = 30.0, extra_args: tuple[str, ...] = ()
 ) -> tuple[subprocess.Popen, int]:
     """A real redis-server (Debian's, on PATH) on a loopback port, without persistence; returns
     once it answers PING. The caller stops it (it may also SIGSTOP / kill it on purpose)."""
@@ -64,6 +64,7 @@ def start_redis_server(
             "no",
             "--dir",
             str(data_dir),
+            *extra_args,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -81,6 +82,92 @@ def start_redis_server(
             time.sleep(0.02)
         finally:
             client.close()
+
+
+def _free_port_with_bus() -> int:
+    """A free loopback port whose cluster bus port (+10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair (port, port + 10000) for a Redis Cluster node")
+
+
+def start_redis_cluster(
+    data_dir: str | Path, primaries: int = 3, replicas: int = 1, ready_timeout_s: float = 60.0
+) -> tuple[list[subprocess.Popen], str]:
+    """A real Redis Cluster on loopback (Debian's redis-server and redis-cli): `primaries`
+    primaries with `replicas` replicas each, without persistence; returns the processes and a
+    `redis+cluster://` URL of one node once the cluster says ok and every replica has synced.
+    The caller stops the processes (stop_process each)."""
+    import shutil
+
+    import redis
+
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        raise FileNotFoundError("redis-cli is not installed (it comes with Debian's redis-server package)")
+    procs: list[subprocess.Popen] = []
+    ports: list[int] = []
+    try:
+        for _ in range(primaries * (1 + replicas)):
+            port = _free_port_with_bus()
+            node_dir = Path(data_dir) / f"node-{port}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            proc, _ = start_redis_server(
+                node_dir,
+                port,
+                extra_args=(
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ),
+            )
+            procs.append(proc)
+            ports.append(port)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in ports],
+                "--cluster-replicas",
+                str(replicas),
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        deadline = time.monotonic() + ready_timeout_s
+        clients = [redis.Redis(port=p, socket_timeout=5) for p in ports]
+        try:
+            while True:
+                ok = all(c.cluster("info")["cluster_state"] == "ok" for c in clients)
+                roles = [c.info("replication") for c in clients]
+                synced = all(r.get("master_link_status") == "up" for r in roles if r["role"] == "slave")
+                if ok and synced and sum(r["role"] == "slave" for r in roles) == primaries * replicas:
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the Redis Cluster on ports {ports} did not become ready")
+                time.sleep(0.1)
+        finally:
+            for c in clients:
+                c.close()
+    except BaseException:
+        for proc in procs:
+            stop_process(proc)
+        raise
+    return procs, f"redis+cluster://127.0.0.1:{ports[0]}"
 
 
 def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:

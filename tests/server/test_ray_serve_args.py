@@ -86,3 +86,13 @@ def test_fanned_out_purge_answers_merge() -> None:
     assert failed.status_code == 503 and body["complete"] is False and body["error"]["code"] == "replica_failed"
     refused = _merge(["r1", "r2"], [(403, {"error": {"message": "no"}}), (403, {"error": {"message": "no"}})])
     assert refused.status_code == 403 and json.loads(refused.body) == {"error": {"message": "no"}}
+
+
+def test_custom_resources_are_checked_before_anything_deploys() -> None:
+    from kvtier.integrations.ray_serve import _resources
+
+    assert _resources({"machine_a": 1}, "resources") == {"machine_a": 1.0}
+    assert _resources('{"kvtier_head": 0.1}', "ingress_resources") == {"kvtier_head": 0.1}
+    for bad in ("not json", '["a"]', {"a": 0}, {"a": True}, {"a": "1"}):
+        with pytest.raises(ValueError, match="resources"):
+            _resources(bad, "resources")

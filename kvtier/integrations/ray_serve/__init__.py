@@ -62,6 +62,9 @@ RAY_KEYS = (
     "routing_stats_period_s",
     "health_check_period_s",
     "ingress_num_cpus",
+    "resources",
+    "ingress_resources",
+    "max_replicas_per_node",
 )
 
 
@@ -103,6 +106,23 @@ def serve_argv(args: dict[str, Any]) -> list[str]:
     return argv
 
 
+def _resources(value: Any, name: str) -> dict[str, float]:
+    """A Ray custom-resource request ({"name": amount}) from a dict or its JSON text."""
+    if isinstance(value, str):
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{name}={value!r}: a JSON object of resource amounts ({exc})") from None
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+        for k, v in value.items()
+    ):
+        raise ValueError(f'{name}={value!r}: a mapping of resource names to positive amounts, e.g. {{"gpu_node": 1}}')
+    return {k: float(v) for k, v in value.items()}
+
+
 def build_app(args: dict[str, Any]) -> Any:
     """The Ray Serve application: `serve run kvtier.integrations.ray_serve:build_app model=...`,
     or `import_path: kvtier.integrations.ray_serve:build_app` with `args:` in a Serve config.
@@ -112,7 +132,10 @@ def build_app(args: dict[str, Any]) -> Any:
     difference beyond which load wins over the cache; default 8 for kv_event, Ray's default for
     prefix), max_ongoing_requests per replica (default 64), autoscaling_config (Ray's; replaces
     num_replicas), routing_stats_period_s (how often replicas report their KV event endpoints;
-    default 1), health_check_period_s (default 2), ingress_num_cpus (default 0). Every other key
+    default 1), health_check_period_s (default 2), ingress_num_cpus (default 0), resources and
+    ingress_resources (Ray custom resources per engine / ingress replica, a dict or its JSON: to
+    pin them to machines that declare them), max_replicas_per_node (Ray's: 1 spreads the engine
+    replicas over machines). Every other key
     is a `kvtier serve` flag (see serve_argv), checked here before anything deploys."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
@@ -138,13 +161,18 @@ def build_app(args: dict[str, Any]) -> Any:
         "request_routing_stats_period_s": float(ray_args.get("routing_stats_period_s", 1.0)),
     }
     router_config = RequestRouterConfig(**router_options)
+    engine_actor: dict[str, Any] = {"num_cpus": num_cpus}
+    if ray_args.get("resources"):
+        engine_actor["resources"] = _resources(ray_args["resources"], "resources")
     options: dict[str, Any] = {
         "name": ENGINE_DEPLOYMENT,
-        "ray_actor_options": {"num_cpus": num_cpus},
+        "ray_actor_options": engine_actor,
         "max_ongoing_requests": int(ray_args.get("max_ongoing_requests", 64)),
         "request_router_config": router_config,
         "health_check_period_s": float(ray_args.get("health_check_period_s", 2.0)),
     }
+    if ray_args.get("max_replicas_per_node") is not None:
+        options["max_replicas_per_node"] = int(ray_args["max_replicas_per_node"])
     autoscaling = ray_args.get("autoscaling_config")
     if autoscaling:
         if isinstance(autoscaling, str):
@@ -155,9 +183,12 @@ def build_app(args: dict[str, Any]) -> Any:
     else:
         options["num_replicas"] = int(ray_args.get("num_replicas", 1))
     engine = serve.deployment(**options)(KVTierEngine).bind(argv, num_cpus)
+    ingress_actor: dict[str, Any] = {"num_cpus": float(ray_args.get("ingress_num_cpus", 0))}
+    if ray_args.get("ingress_resources"):
+        ingress_actor["resources"] = _resources(ray_args["ingress_resources"], "ingress_resources")
     ingress = serve.deployment(
         name=INGRESS_DEPLOYMENT,
-        ray_actor_options={"num_cpus": float(ray_args.get("ingress_num_cpus", 0))},
+        ray_actor_options=ingress_actor,
         max_ongoing_requests=1000,
     )(KVTierIngress)
     return ingress.bind(engine, argv)

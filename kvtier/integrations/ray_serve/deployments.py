@@ -205,6 +205,19 @@ REPLICA_FAILED = (
 )
 
 
+def _own_internal_request_id() -> None:
+    """Give the calling task its own Ray Serve internal request id (in its copy of the request
+    context). Handle calls made while serving one request share that request's id, and Ray's
+    router hands a chosen replica to the pending call with that id: calls fanned out from one
+    admin request would take each other's replicas, and one pinned to a replica that cannot answer
+    would hold up the rest. Ray's request context is a frozen dataclass in a context variable."""
+    from ray.serve import context as serve_context
+    from ray.serve._private.utils import generate_request_id
+
+    current = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(current, _internal_request_id=generate_request_id()))  # type: ignore[arg-type]  # Ray annotates the variable as None
+
+
 class KVTierIngress:
     """Every path of `kvtier serve`'s API, forwarded whole to an engine replica through a
     DeploymentHandle (the deployment's request router chooses which); the answer streams back
@@ -300,6 +313,7 @@ class KVTierIngress:
             pinned = dataclasses.replace(req, replica=replica)
 
             async def call() -> tuple[int, dict[str, Any]]:
+                _own_internal_request_id()
                 stream = self.engine.remote(pinned)
                 head = await stream.__anext__()
                 data = b"".join([chunk async for chunk in stream])
@@ -311,9 +325,9 @@ class KVTierIngress:
                 msg = f"replica {replica} did not answer: {type(e).__name__}"
                 return 503, {"error": {"message": msg, "type": "server_error", "param": None, "code": "replica_failed"}}
 
-        # one after the other: calls made while serving one request share its internal request
-        # id, which Ray's router matches routed replicas to requests by
-        answers = [await one(r) for r in replicas]
+        # at once, each call in its own task under its own internal request id (see
+        # _own_internal_request_id): a replica that cannot answer delays none of the others
+        answers = list(await asyncio.gather(*(one(r) for r in replicas)))
         return _merge(replicas, answers)
 
     def _engine_replicas(self) -> list[str]:
