@@ -195,6 +195,23 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
             body = res.json()
             return res.headers[REPLICA], body["choices"][0]["text"], body["usage"]
 
+        def served(prompt: str, timeout_s: float = 120.0) -> httpx.Response:
+            """The first 200 answer to a greedy 4-token completion, retried while a lost node's
+            replica is still routed to: until then, only a clear 5xx."""
+            deadline = time.monotonic() + timeout_s
+            while True:
+                res = httpx.post(
+                    url + "/v1/completions",
+                    json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                    headers={"Authorization": "Bearer sk-a"},
+                    timeout=120,
+                )
+                if res.status_code == 200:
+                    return res
+                assert res.status_code in (500, 502, 503, 504), res.text
+                assert time.monotonic() < deadline, res.text
+                time.sleep(0.5)
+
         # the two engine replicas run on the two worker nodes, one each; the head runs neither
         running = _wait_replicas(2)
         node_of = {n.node_id: n for n in nodes}
@@ -224,25 +241,7 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
         survivor = next(r for r in running if r != lost)
         cluster.remove_node(node_of[running[lost]], allow_graceful=False)
         lost_prefixes = [p for p, h in zip(prefixes, holder, strict=True) if h == lost]
-        deadline = time.monotonic() + 120
-        while True:  # until the router has dropped the dead replica: clear errors only, then the survivor
-            res = httpx.post(
-                url + "/v1/completions",
-                json={
-                    "model": "tiny",
-                    "prompt": lost_prefixes[0] + " w7",
-                    "max_tokens": 4,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                },
-                headers={"Authorization": "Bearer sk-a"},
-                timeout=120,
-            )
-            if res.status_code == 200:
-                break
-            assert res.status_code in (500, 502, 503, 504), res.text
-            assert time.monotonic() < deadline, res.text
-            time.sleep(0.5)
+        res = served(lost_prefixes[0] + " w7")  # clear errors until the router drops the dead replica
         body = res.json()
         assert res.headers[REPLICA] == survivor, (
             res.headers[REPLICA],
@@ -264,22 +263,10 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
 
         # the survivor's node goes too: the new node alone answers the old prefixes, warm from Redis
         cluster.remove_node(node_of[running[survivor]], allow_graceful=False)
-        deadline = time.monotonic() + 120
         answered = 0
         for p in prefixes[4:]:
             prompt = p + " w11"
-            while True:
-                res = httpx.post(
-                    url + "/v1/completions",
-                    json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
-                    headers={"Authorization": "Bearer sk-a"},
-                    timeout=120,
-                )
-                if res.status_code == 200:
-                    break
-                assert res.status_code in (500, 502, 503, 504), res.text
-                assert time.monotonic() < deadline, res.text
-                time.sleep(0.5)
+            res = served(prompt)
             body = res.json()
             assert res.headers[REPLICA] == replacement
             assert body["choices"][0]["text"] == want(prompt)
@@ -291,7 +278,6 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
         # Ray Serve has noticed the lost node: a replica it still lists but that cannot answer
         # makes the purge report complete: false, with that replica's error)
         _wait_replicas(1, exclude={survivor})
-        # a purge through the app leaves nothing of the tenant in any primary of the cluster
         res = httpx.delete(
             url + "/v1/cache", params={"tenant": "alpha"}, headers={"Authorization": "Bearer sk-admin"}, timeout=120
         )
