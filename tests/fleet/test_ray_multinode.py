@@ -228,13 +228,13 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
         prefixes = [_words(100 + i, 48) for i in range(12)]
         holder = [complete(p)[0] for p in prefixes]
         assert set(holder) == set(running), "power-of-two choices placed cold prefixes on both nodes"
+        stored = _wait_stable(redis_cluster)
+        assert stored, "the replicas wrote their blocks to the Redis Cluster"
         for i in (0, 1, 2, 3):
             replica, text, usage = complete(prefixes[i] + " w9")
             assert replica == holder[i] and text == want(prefixes[i] + " w9")
             assert usage["prompt_tokens_details"]["cached_tokens"] >= 48 - BS
             assert usage["prompt_tokens_details"]["cached_tokens_by_tier"].get("remote", 0) == 0
-        stored = _wait_stable(redis_cluster)
-        assert stored, "the replicas wrote their blocks to the Redis Cluster"
 
         # a node is lost: its raylet and the replica on it die at once
         lost = holder[0]

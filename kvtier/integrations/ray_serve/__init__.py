@@ -191,4 +191,4 @@ def build_app(args: dict[str, Any]) -> Any:
         ray_actor_options=ingress_actor,
         max_ongoing_requests=1000,
     )(KVTierIngress)
-    return ingress.bind(engine, argv)
+    return ingress.bind(engine, argv, router == "kv_event")

@@ -224,7 +224,7 @@ class KVTierIngress:
     unchanged. DELETE /v1/cache and POST /admin/check_integrity go to every replica and their
     answers are merged (`_merge`)."""
 
-    def __init__(self, engine: Any, serve_argv: list[str]) -> None:
+    def __init__(self, engine: Any, serve_argv: list[str], routing_tokenizer: bool = False) -> None:
         from kvtier.cli.serve import server_settings
         from kvtier.server.tenancy import SingleTenantResolver
 
@@ -232,6 +232,10 @@ class KVTierIngress:
         self.config, tenants = server_settings(args)
         self.resolver = tenants or SingleTenantResolver()
         self.engine = engine.options(stream=True, method_name="handle")
+        if routing_tokenizer:  # KVEventRouter's, loaded before this replica says it is ready
+            from kvtier.integrations.ray_serve.request import routing_tokenizer as load
+
+            load(args.model, args.chat_template)
 
     def _forwarded(self, request: Request, body: bytes) -> ForwardedRequest:
         from kvtier.server.tenancy import api_key_from_header

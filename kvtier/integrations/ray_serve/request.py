@@ -13,6 +13,8 @@ replica ignores it and resolves the tenant from the API key itself.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,3 +123,43 @@ def routing_token_ids(tokenizer: Any, req: ForwardedRequest) -> list[int] | None
         return list(tokenizer.encode(render_chat(tokenizer, chat), add_special_tokens=False))
     except Exception:  # noqa: BLE001 - the replica answers what is wrong with the request
         return None
+
+
+_TOKENIZERS: dict[tuple[str, str | None], Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def routing_tokenizer(model: str | None, chat_template: str | None) -> Any:
+    """The tokenizer (with the replicas' chat template) that KVEventRouter hashes prompts with,
+    loaded once per process: the ingress loads it while it starts (so a routed app is ready
+    when Ray Serve says so), the router then finds it here. None when it cannot load (logged
+    with the reason): the router then balances by load."""
+    from kvtier.model.tokenizer import Tokenizer, has_tokenizer
+
+    if model is None:
+        return None
+    key = (model, chat_template)
+    with _TOKENIZERS_LOCK:
+        if key in _TOKENIZERS:
+            return _TOKENIZERS[key]
+        tokenizer = None
+        try:
+            if has_tokenizer(model):
+                tokenizer = Tokenizer(model)
+                if chat_template is not None:
+                    from kvtier.cli.serve import use_chat_template
+
+                    use_chat_template(tokenizer, chat_template)
+        except Exception:  # without a tokenizer the router balances by load (logged with the reason)
+            logging.getLogger("kvtier.ray_serve.router").exception(
+                "KVEventRouter: the tokenizer of %s did not load; routing by load only", model
+            )
+            tokenizer = None
+        _TOKENIZERS[key] = tokenizer
+        return tokenizer
+
+
+def loaded_routing_tokenizer(model: str | None, chat_template: str | None) -> Any:
+    """`routing_tokenizer`'s tokenizer if this process has loaded it already, else None (a plain
+    read: while the ingress is still loading it, the caller's own thread waits on the lock)."""
+    return _TOKENIZERS.get((model, chat_template)) if model is not None else None

@@ -47,7 +47,13 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
-from kvtier.integrations.ray_serve.request import ForwardedRequest, prompt_of, routing_token_ids
+from kvtier.integrations.ray_serve.request import (
+    ForwardedRequest,
+    loaded_routing_tokenizer,
+    prompt_of,
+    routing_token_ids,
+    routing_tokenizer,
+)
 from kvtier.kv_events import END_SEQ, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, block_hash
 from kvtier.kvcache.keys import chain_keys, root_key
 
@@ -236,34 +242,22 @@ class KVEventRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(
         self, model: str | None = None, chat_template: str | None = None, imbalanced_threshold: float = 8, **_: Any
     ) -> None:
-        """`model`: the checkpoint the replicas serve (its tokenizer is loaded here, lazily);
+        """`model`: the checkpoint the replicas serve (its tokenizer: `routing_tokenizer`);
         `chat_template`: the replicas' --chat-template; `imbalanced_threshold`: a queue-length
         difference beyond which load wins over cache affinity."""
         self._model = model
         self._chat_template = chat_template
         self._imbalanced_threshold = float(imbalanced_threshold)
-        self._tokenizer: Any = None
         self._blocks: dict[ReplicaID, _ReplicaBlocks] = {}
         self._hashes: dict[str, list[int]] = {}
-        # the tokenizer loads on a thread: until it is there, requests go by load alone, and the
-        # event loop that routes every request of this process never waits for it
-        threading.Thread(target=self._load_tokenizer, name="kv-router-tokenizer", daemon=True).start()
+        self._tokenizer = loaded_routing_tokenizer(model, chat_template)
+        if self._tokenizer is None:
+            # not loaded by the ingress: it loads on a thread, and until it is there requests go
+            # by load alone; the event loop that routes every request of this process never waits
+            threading.Thread(target=self._load_tokenizer, name="kv-router-tokenizer", daemon=True).start()
 
     def _load_tokenizer(self) -> None:
-        from kvtier.model.tokenizer import Tokenizer, has_tokenizer
-
-        if self._model is None or not has_tokenizer(self._model):
-            return
-        try:
-            tokenizer = Tokenizer(self._model)
-            if self._chat_template is not None:
-                from kvtier.cli.serve import use_chat_template
-
-                use_chat_template(tokenizer, self._chat_template)
-        except Exception:  # without a tokenizer the router balances by load (logged with the reason)
-            logger.exception("KVEventRouter: the tokenizer of %s did not load; routing by load only", self._model)
-            return
-        self._tokenizer = tokenizer
+        self._tokenizer = routing_tokenizer(self._model, self._chat_template)
 
     # -- what the router knows of each replica
     def _follow(self, replicas: Iterable[RunningReplica]) -> None:
