@@ -23,6 +23,10 @@ class ModelConfig:
     """Path to a Hugging Face model directory (config.json + *.safetensors)."""
     dtype: str = "auto"
     """'auto' (the checkpoint's), 'float32', 'bfloat16' or 'float16'."""
+    quantization: str | None = None
+    """How the projections hold their weights (vLLM's flag name): None (a GGUF file's own quantized
+    blocks on CPU, else the model dtype), 'gguf', 'int8' (8-bit weight-only, quantized at load) or
+    'none' (the model dtype; a GGUF file dequantized at load). See kvtier.model.quant_linear."""
     device: str | None = None
     """torch device; default: cuda if available, else cpu."""
     seed: int = 0

@@ -42,6 +42,7 @@ class LLM:
         self,
         model: str,
         dtype: str = "auto",
+        quantization: str | None = None,
         block_size: int = 16,
         num_device_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -83,6 +84,7 @@ class LLM:
             model=ModelConfig(
                 model=str(model),
                 dtype=dtype,
+                quantization=quantization,
                 device=device,
                 seed=seed,
                 max_model_len=max_model_len,

@@ -86,6 +86,9 @@ def _kv_dtype(text: str) -> str:
     return value
 
 
+QUANTIZATION_CHOICES = ("gguf", "int8", "none")
+
+
 def add_engine_args(
     parser: argparse.ArgumentParser, *, dtype_help: str = "default: auto, the checkpoint's dtype"
 ) -> None:
@@ -98,6 +101,15 @@ def add_engine_args(
         default=None,
         metavar="{" + ",".join(DTYPES) + "}",
         help=f"weights and KV dtype ({dtype_help}); vLLM's half, float and bfloat16 too",
+    )
+    e.add_argument(
+        "--quantization",
+        "-q",
+        choices=QUANTIZATION_CHOICES,
+        default=None,
+        help="how the projections hold their weights: gguf (a GGUF file's quantized blocks, the "
+        "default for a GGUF on CPU), int8 (8-bit weight-only, quantized at load), none (the model "
+        "dtype; a GGUF dequantized at load). Default: gguf for a GGUF file on CPU, else none",
     )
     e.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block (default 16)")
     e.add_argument(
@@ -262,6 +274,7 @@ def add_engine_args(
 
 ENGINE_KEYS = (
     "dtype",
+    "quantization",
     "kv_events_config",
     "kv_cache_dtype",
     "max_model_len",

@@ -151,6 +151,7 @@ class EngineCore:
         self.runner = runner or ModelRunner(
             mc.model,
             dtype=mc.dtype,
+            quantization=mc.quantization,
             device=mc.device,
             block_size=cc.block_size,
             num_blocks=cc.num_device_blocks,

@@ -124,6 +124,7 @@ class GGUFCheckpoint:
                 f"{', '.join(sorted(_ARCHITECTURES))}"
             )
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self._hf_index: dict[str, Any] | None = None
 
     # -- config ------------------------------------------------------------------------------
 
@@ -174,13 +175,13 @@ class GGUFCheckpoint:
         """The Hugging Face names of the file's tensors."""
         return [n for n in (hf_name(t) for t in self._tensors) if n is not None]
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, weight in `dtype`) for each tensor of the file, dequantized one at a
-        time (float32 math, then cast)."""
+    def tensors(self, dtype: torch.dtype, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, weight in `dtype`) for each tensor of the file but those in `skip`,
+        dequantized one at a time (float32 math, then cast)."""
         cfg = self.config()
         for name, tensor in self._tensors.items():
             hf = hf_name(name)
-            if hf is None:
+            if hf is None or hf in skip:
                 continue  # e.g. rope_freqs of llama3 files: kvtier computes its own
             values = dequantize(tensor.tensor_type.name, np.asarray(tensor.data), self.path, name)
             shape = [int(d) for d in reversed(tensor.shape)]  # GGUF lists dimensions innermost first
@@ -190,6 +191,27 @@ class GGUFCheckpoint:
             elif self.arch in _PERMUTED_QK and ".attn_k." in name:
                 values = _unpermute(values, cfg["num_key_value_heads"])
             yield hf, values.to(dtype)
+
+    def quant_weight(self, hf: str) -> Any:
+        """The weight `hf` (a Hugging Face name) repacked for the quantized kernels
+        (kvtier.model.quant_linear.QuantWeight), or None where its GGUF type is not one of
+        GGUF_REPACKED (then it loads dense) or it is not a 2-D weight."""
+        from kvtier.model.quant_linear import GGUF_REPACKED, from_gguf
+
+        if self._hf_index is None:
+            self._hf_index = {h: t for t in self._tensors.values() if (h := hf_name(t.name)) is not None}
+        tensor = self._hf_index.get(hf)
+        if tensor is None or tensor.tensor_type.name not in GGUF_REPACKED or len(tensor.shape) != 2:
+            return None
+        k, n = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
+        raw = torch.from_numpy(np.array(tensor.data, copy=True, order="C")).reshape(-1).view(torch.uint8)
+        weight = from_gguf(tensor.tensor_type.name, raw.reshape(-1, _BLOCK_BYTES[tensor.tensor_type.name]), n, k)
+        name = tensor.name
+        if self.arch in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+            heads = self.config()["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
+            order = _unpermute(torch.arange(n), heads)  # the rows' new order
+            weight = weight.rows(order)
+        return weight
 
     # -- tokenizer ---------------------------------------------------------------------------
 

@@ -217,7 +217,7 @@ class DecoderLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share lm_head with embed_tokens (call again after anything that re-creates parameters)."""
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and isinstance(self.lm_head, Linear):  # not a QuantLinear
             self.lm_head.weight = self.embed_tokens.weight
 
     def plan_linears(self, *, pack: bool) -> GemmPlan | None:

