@@ -18,7 +18,10 @@ prefill: 512 prompt tokens, one output token (prefix caching off), tokens/s; dec
 tokens after a 16-token prompt, the prefill's time subtracted, tokens/s. Repeats are interleaved
 (llama.cpp, then each kvtier variant) so that load from other processes hits all alike; the median
 and the spread of the repeats are reported, and the ratios to llama.cpp of the medians.
-16 streams (prefill included, --streams): kvtier only (llama-server -np 16 is not driven here).
+16 streams (prefill included, --streams): kvtier's `generate` on all 16 prompts at once, and
+`llama-server -np 16 -t 2` (started once, before the repeats) sent the same 16 token-id prompts as
+concurrent `/completion` requests (`ignore_eos`, `cache_prompt: false`), wall time to the last
+response.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -88,6 +92,73 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
         key = "prefill" if row.get("n_prompt", 0) > 0 else "decode"
         result[key] = float(row["avg_ts"])
     return result
+
+
+class LlamaServer:
+    """llama-server with N parallel slots on a free port."""
+
+    def __init__(self, bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.proc = subprocess.Popen(
+            [
+                str(bin_dir / "llama-server"),
+                "-m",
+                str(gguf),
+                "-np",
+                str(slots),
+                "-c",
+                str(slots * ctx_per_slot),
+                "-t",
+                str(threads),
+                "--port",
+                str(self.port),
+                "--host",
+                "127.0.0.1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("llama-server did not become healthy in 120 s")
+
+    def streams(self, n: int, prompt_len: int, output: int, seed: int) -> float:
+        from concurrent.futures import ThreadPoolExecutor
+
+        prompts = [[(seed * 31 + s * 1009 + 13 * i) % 40000 + 100 for i in range(prompt_len)] for s in range(n)]
+
+        def one(prompt: list[int]) -> int:
+            body = {"prompt": prompt, "n_predict": output, "ignore_eos": True, "cache_prompt": False, "temperature": 0}
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{self.port}/completion",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return int(json.loads(r.read())["tokens_predicted"])
+
+        t = time.perf_counter()
+        with ThreadPoolExecutor(n) as pool:
+            produced = sum(pool.map(one, prompts))
+        return produced / (time.perf_counter() - t)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 class KVTier:
@@ -152,7 +223,10 @@ def main() -> None:
     results: dict[str, dict[str, list[float]]] = {
         name: {"prefill": [], "decode": []} for name in ["llama.cpp", *engines]
     }
-    streams: dict[str, list[float]] = {name: [] for name in engines}
+    streams: dict[str, list[float]] = {name: [] for name in ["llama-server", *engines]}
+    server = None
+    if bin_dir is not None and args.streams:
+        server = LlamaServer(bin_dir, gguf, args.streams, 512, args.threads)
     load = []
     ctx = corunner.running(args.corunner) if args.corunner else contextlib.nullcontext()
     with ctx:
@@ -160,12 +234,16 @@ def main() -> None:
             if bin_dir is not None:
                 for key, value in llama_bench(bin_dir, gguf, args.threads).items():
                     results["llama.cpp"][key].append(value)
+            if server is not None:
+                streams["llama-server"].append(server.streams(args.streams, 256, 128, r))
             for name, engine in engines.items():
                 for key, value in engine.measure(r + 1).items():
                     results[name][key].append(value)
                 if args.streams:
                     streams[name].append(engine.streams(args.streams, 256, 128, r))
             load.append(os.getloadavg()[0])
+    if server is not None:
+        server.close()
     report: dict = {
         "machine": describe(),
         "gguf": gguf.name,
@@ -176,7 +254,7 @@ def main() -> None:
         "tok_s": {name: {k: summarize(v) for k, v in runs.items() if v} for name, runs in results.items()},
     }
     if args.streams:
-        report[f"streams_{args.streams}x(256,128)_tok_s"] = {name: summarize(v) for name, v in streams.items()}
+        report[f"streams_{args.streams}x(256,128)_tok_s"] = {name: summarize(v) for name, v in streams.items() if v}
     if results["llama.cpp"]["decode"]:
         base = {k: statistics.median(v) for k, v in results["llama.cpp"].items()}
         report["ratio_to_llama_cpp"] = {

@@ -331,6 +331,11 @@ class TorchPagedAttention(AttentionBackend):
     G-fold mask would grow large).
     """
 
+    native_f32 = False
+    """Decode float32 queries on a float32 pool with csrc/decode_attention_f32.c where the AVX-512
+    kernel does not apply: set for models with quantized weights (their sums already differ from
+    transformers' in order)."""
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -627,6 +632,8 @@ class TorchPagedAttention(AttentionBackend):
         if q.shape[0] != batch:
             q = q.index_select(0, d.token_idx)  # [B, Hq, D]
         out = self._decode_native(q, kv_cache, d)
+        if out is None and self.native_f32:
+            out = self._decode_f32(q, kv_cache, d)
         if out is not None:
             return out
         q = q.view(batch, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)  # [B, Hkv, G, D]
@@ -680,6 +687,42 @@ class TorchPagedAttention(AttentionBackend):
         if rotation is not None:
             out = rotate(out, rotation).to(out_dtype)
         return out.view(batch, -1)
+
+    def _decode_f32(self, q: torch.Tensor, kv_cache: KVCache, d: DecodeBatch) -> torch.Tensor | None:
+        """csrc/decode_attention_f32.c on float32 q and an unquantized float32 pool, else None."""
+        if (
+            not isinstance(kv_cache, torch.Tensor)
+            or q.dtype != torch.float32
+            or kv_cache.dtype != torch.float32
+            or q.device.type != "cpu"
+            or not kv_cache.is_contiguous()
+        ):
+            return None
+        lib = native.decode_attention_f32_lib()
+        if lib is None:
+            return None
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        batch, max_blocks = d.block_tables.shape
+        _two, num_kv_heads, num_blocks, block_size, head_dim = kv_cache.shape
+        rc = lib.kvt_decode_attention_f32(
+            q.data_ptr(),
+            out.data_ptr(),
+            kv_cache.data_ptr(),
+            d.block_tables.data_ptr(),
+            max_blocks,
+            d.seq_lens.data_ptr(),
+            batch,
+            self.num_heads,
+            num_kv_heads,
+            num_blocks,
+            block_size,
+            head_dim,
+            head_dim**-0.5,
+        )
+        if rc == native.BAD_INDEX:
+            raise IndexError(f"decode attention: a block table or length is outside the pool of {num_blocks} blocks")
+        return out.view(batch, -1) if rc == 0 else None
 
     def _fold(self, q: torch.Tensor) -> torch.Tensor:
         """[n, Hq, D] -> [Hkv, G * n, D], row g * n + i = token i of query head kv * G + g."""

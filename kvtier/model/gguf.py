@@ -192,26 +192,25 @@ class GGUFCheckpoint:
                 values = _unpermute(values, cfg["num_key_value_heads"])
             yield hf, values.to(dtype)
 
-    def quant_weight(self, hf: str) -> Any:
-        """The weight `hf` (a Hugging Face name) repacked for the quantized kernels
-        (kvtier.model.quant_linear.QuantWeight), or None where its GGUF type is not one of
-        GGUF_REPACKED (then it loads dense) or it is not a 2-D weight."""
-        from kvtier.model.quant_linear import GGUF_REPACKED, from_gguf
-
+    def raw_weight(self, hf: str) -> tuple[str, torch.Tensor, int, int, torch.Tensor | None] | None:
+        """The 2-D weight `hf` (a Hugging Face name) as it is in the file: (GGUF type name, its blocks
+        [num_blocks, block_bytes] uint8, out_features n, in_features k, the row order that undoes
+        llama.cpp's q/k permutation or None), or None where the file has no such 2-D block-quantized
+        tensor (kvtier.model.quant_linear repacks these)."""
         if self._hf_index is None:
             self._hf_index = {h: t for t in self._tensors.values() if (h := hf_name(t.name)) is not None}
         tensor = self._hf_index.get(hf)
-        if tensor is None or tensor.tensor_type.name not in GGUF_REPACKED or len(tensor.shape) != 2:
+        if tensor is None or tensor.tensor_type.name not in _BLOCK_BYTES or len(tensor.shape) != 2:
             return None
+        type_name = tensor.tensor_type.name
         k, n = (int(d) for d in tensor.shape)  # GGUF lists dimensions innermost first
         raw = torch.from_numpy(np.array(tensor.data, copy=True, order="C")).reshape(-1).view(torch.uint8)
-        weight = from_gguf(tensor.tensor_type.name, raw.reshape(-1, _BLOCK_BYTES[tensor.tensor_type.name]), n, k)
+        order = None
         name = tensor.name
         if self.arch in _PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
             heads = self.config()["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
             order = _unpermute(torch.arange(n), heads)  # the rows' new order
-            weight = weight.rows(order)
-        return weight
+        return type_name, raw.reshape(-1, _BLOCK_BYTES[type_name]), n, k, order
 
     # -- tokenizer ---------------------------------------------------------------------------
 

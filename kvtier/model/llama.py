@@ -37,12 +37,17 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    native_f32 = False
+    """Fused float32 kernel (layer_ops.add_rms_norm_f32): set for models with quantized weights."""
+
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x), or (norm(x), x) without a residual: the residual
         stream carried beside the layers' outputs, as vLLM's layers do, so that the add fuses
         into the norm (one native pass for bfloat16 on CPU, csrc/layer_ops.c, which updates
         `residual` in place). Same sums as HF's `h = residual + h`."""
         normed = layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+        if normed is None and self.native_f32:
+            normed = layer_ops.add_rms_norm_f32(x, residual, self.weight, self.eps)
         if normed is not None:
             return normed, x if residual is None else residual
         residual = x if residual is None else residual + x
@@ -96,10 +101,11 @@ def _llama3_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, native_f32: bool = False) -> torch.Tensor:
     """x [T, H, D], cos/sin [T, 1, D/2] -> x * cos + rotate_half(x) * sin (same rounding as HF);
-    in place by the native kernel for bfloat16 on CPU, else a new tensor."""
-    if layer_ops.rope_(x, cos, sin):
+    in place by the native kernel for bfloat16 on CPU (and float32 with `native_f32`), else a new
+    tensor."""
+    if layer_ops.rope_(x, cos, sin) or (native_f32 and layer_ops.rope_f32_(x, cos, sin)):
         return x
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -107,6 +113,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    native_f32 = False
+    """Fused float32 rope (layer_ops.rope_f32_): set for models with quantized weights."""
+
     def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads = arch.num_heads
@@ -139,7 +148,7 @@ class Attention(nn.Module):
         v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        qk = apply_rope(qk, cos, sin)  # [T, Hq + Hkv, D]
+        qk = apply_rope(qk, cos, sin, self.native_f32)  # [T, Hq + Hkv, D]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, k, v, kv_cache, meta)  # [T, Hq * D]
@@ -147,6 +156,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    native_f32 = False
+    """Fused float32 SiLU * up (layer_ops.silu_mul_f32): set for models with quantized weights."""
+
     def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.intermediate_size = arch.intermediate_size
@@ -156,6 +168,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
         act = layer_ops.silu_mul(gate_up, self.intermediate_size)
+        if act is None and self.native_f32:
+            act = layer_ops.silu_mul_f32(gate_up, self.intermediate_size)
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
             act = F.silu(gate) * up
@@ -214,6 +228,10 @@ class DecoderLM(nn.Module):
         self.tie_weights()
         self.rope = RotaryEmbedding(arch, device)
         self.requires_grad_(False)
+
+    weight_format = "dense"
+    """How the projections hold their weights (kvtier.model.loader.WEIGHT_FORMATS); `dense` also
+    where a quantized format was asked for but no projection of the checkpoint has one."""
 
     def tie_weights(self) -> None:
         """Share lm_head with embed_tokens (call again after anything that re-creates parameters)."""

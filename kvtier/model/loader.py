@@ -24,11 +24,11 @@ import torch
 from safetensors import safe_open
 
 from kvtier.model import gguf
-from kvtier.model.attention import AttentionBackend
+from kvtier.model.attention import AttentionBackend, TorchPagedAttention
 from kvtier.model.hf_config import ArchConfig, ModelFilesNotFoundError, ModelLoadError
 from kvtier.model.linear import Linear
-from kvtier.model.llama import DecoderLayer, DecoderLM
-from kvtier.model.quant_linear import QuantLinear, QuantWeight, quantize_int8
+from kvtier.model.llama import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
+from kvtier.model.quant_linear import GGUF_REPACKED, QuantLinear, QuantWeight, from_gguf, quantize_int8
 
 LAYOUT_VERSION = 1
 """Bump when the KV layout or numerics change so that stored KV of older versions stops matching."""
@@ -113,7 +113,7 @@ def load_model(
     loaded: set[str] = set()  # checkpoint weights the quantized projections hold already
     if weights == "gguf":
         ckpt = gguf.open_checkpoint(str(model_dir))
-        quantized, loaded = _install_quantized(model, arch, ckpt.quant_weight)
+        quantized, loaded = _install_quantized(model, arch, lambda hf: _gguf_quant_weight(ckpt, hf))
     tensors = _checkpoint_tensors(model_dir, dtype, frozenset(loaded - {"model.embed_tokens.weight"}))
     model.to_empty(device=device)
     for name, qw in quantized.items():
@@ -145,7 +145,27 @@ def load_model(
         for name, module in list(model.named_modules()):
             if isinstance(module, Linear) and module.in_features % 32 == 0:
                 _set_module(model, name, QuantLinear(quantize_int8(module.weight), module.bias, dtype=dtype))
+    if any(isinstance(m, QuantLinear) for m in model.modules()):
+        model.weight_format = weights
+        # the projections sum in another order than transformers' already: the per-layer ops may
+        # too (fused float32 kernels, csrc/layer_ops_f32.c)
+        for module in model.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.native_f32 = True
+        if isinstance(backend, TorchPagedAttention):
+            backend.native_f32 = True
     return model.eval()
+
+
+def _gguf_quant_weight(ckpt: gguf.GGUFCheckpoint, hf: str) -> QuantWeight | None:
+    """A GGUF weight repacked for the quantized kernels, or None where its type is not repacked
+    (quant_linear.GGUF_REPACKED: it loads dense)."""
+    raw = ckpt.raw_weight(hf)
+    if raw is None or raw[0] not in GGUF_REPACKED:
+        return None
+    type_name, blocks, n, k, order = raw
+    weight = from_gguf(type_name, blocks, n, k)
+    return weight.rows(order) if order is not None else weight
 
 
 def _quantizable(model: DecoderLM, arch: ArchConfig) -> Iterator[tuple[str, list[str]]]:

@@ -5,6 +5,8 @@
     lib = native.linear_lib()
     lib = native.layer_ops_lib()
     lib = native.quant_linear_lib()
+    lib = native.layer_ops_f32_lib()
+    lib = native.decode_attention_f32_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
 `$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
@@ -105,6 +107,23 @@ _SIGNATURES = {
         # x, M, ldx, w, N, K, bias (or NULL), out, ldo, variant (GEMM_DPBF16 / GEMM_FMA)
         "kvt_linear_bf16": ([_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _int], _int),
     },
+    "layer_ops_f32": {
+        "kvt_has_layer_ops_f32": ([], _int),
+        # x, ldx, residual (in/out, or NULL), weight, out, rows, hidden, eps
+        "kvt_add_rms_norm_f32": ([_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32], _int),
+        # x, tokens, heads, dim, ld, cos, sin
+        "kvt_rope_f32": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr], _int),
+        # gate_up, rows, inter, out
+        "kvt_silu_mul_f32": ([_ptr, _i64, _i64, _ptr], _int),
+    },
+    "decode_attention_f32": {
+        # q, out, pool, block_tables, max_blocks, seq_lens, batch, num_heads, num_kv_heads, num_blocks,
+        # block_size, dim, sm_scale
+        "kvt_decode_attention_f32": (
+            [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32],
+            _int,
+        ),
+    },
     "quant_gemm": {
         "kvt_has_quant_linear": ([], _int),
         # x, M, ldx, x_kind, x_mode, q, fmt, d, m (or NULL), N, K, bias (float32 or NULL), out, ldo
@@ -137,7 +156,8 @@ def enabled() -> bool:
 @contextlib.contextmanager
 def disabled(*names: str) -> Iterator[None]:
     """Run the enclosed code on the torch ops (for comparisons and experiments): every native
-    library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops", "quant_gemm")."""
+    library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops", "layer_ops_f32",
+    "decode_attention_f32", "quant_gemm")."""
     global _enabled
     before = _enabled, set(_disabled_libs)
     if names:
@@ -181,6 +201,18 @@ def linear_lib() -> ctypes.CDLL | None:
         return None
     lib = _load("gemm")
     return lib if lib is not None and _has_linear(lib) else None
+
+
+def layer_ops_f32_lib() -> ctypes.CDLL | None:
+    """The fused per-layer ops of a float32 decoder (csrc/layer_ops_f32.c, plain C for any CPU),
+    or None: disabled or no working build. Only models with quantized weights use them."""
+    return _load("layer_ops_f32") if _active("layer_ops_f32") else None
+
+
+def decode_attention_f32_lib() -> ctypes.CDLL | None:
+    """The float32 paged decode attention in plain C (csrc/decode_attention_f32.c), or None:
+    disabled or no working build. Only models with quantized weights use it."""
+    return _load("decode_attention_f32") if _active("decode_attention_f32") else None
 
 
 def quant_linear_lib() -> ctypes.CDLL | None:

@@ -108,11 +108,17 @@ class ModelRunner:
         self.attn_backend = attn_backend or TorchPagedAttention(
             self.arch.num_heads, self.arch.num_kv_heads, self.arch.head_dim
         )
-        self.weights = _resolve_weights(quantization, self.model_dir, self.device)
-        """How the projections hold their weights (kvtier.model.loader.WEIGHT_FORMATS)."""
         self.model: DecoderLM = load_model(
-            self.model_dir, self.arch, self.attn_backend, dtype=self.dtype, device=self.device, weights=self.weights
+            self.model_dir,
+            self.arch,
+            self.attn_backend,
+            dtype=self.dtype,
+            device=self.device,
+            weights=_resolve_weights(quantization, self.model_dir, self.device),
         )
+        self.weights = self.model.weight_format
+        """How the projections hold their weights (kvtier.model.loader.WEIGHT_FORMATS): `dense`
+        where the checkpoint has no quantized projection (a float GGUF file)."""
         self.gemm_plan = self.model.plan_linears(pack=pack_weights and can_pack_linears(self.dtype, self.device))
         # the KV dtype's name: quantized and full-precision entries never share a key
         self.fingerprint = model_fingerprint(

@@ -243,7 +243,8 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
         lost_prefixes = [p for p, h in zip(prefixes, holder, strict=True) if h == lost]
         res = served(lost_prefixes[0] + " w7")  # clear errors until the router drops the dead replica
         body = res.json()
-        assert res.headers[REPLICA] == survivor, (
+        # the survivor, or a replacement Ray Serve has started already (seen once in CI, loaded)
+        assert res.headers[REPLICA] != lost, (
             res.headers[REPLICA],
             survivor,
             lost,
@@ -254,12 +255,15 @@ def test_replicas_on_two_ray_nodes_share_a_redis_cluster_and_survive_a_node_loss
         tiers = body["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]
         assert tiers.get("remote", 0) >= 48 - BS, body["usage"]  # restored across nodes from the cluster
 
-        # a new node joins: Ray Serve places the replacement replica there
+        # a new node joins: the replacement replica runs there (or, where Ray Serve had started it
+        # already, on another live node than the survivor's)
         new_node = cluster.add_node(num_cpus=1, **small)
         cluster.wait_for_nodes()
         running = _wait_replicas(2, exclude={lost})
         (replacement,) = set(running) - {survivor}
-        assert running[replacement] == new_node.node_id
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        assert new_node.node_id in alive
+        assert running[replacement] in alive and running[replacement] != running[survivor]
 
         # the survivor's node goes too: the new node alone answers the old prefixes, warm from Redis
         cluster.remove_node(node_of[running[survivor]], allow_graceful=False)

@@ -185,3 +185,56 @@ def test_bad_quantization_choices_are_clear_errors(tiny_model_dirs):
         ModelRunner(tiny_model_dirs["llama"], quantization="awq", device="cpu", num_blocks=4)
     with pytest.raises(ValueError, match="needs a GGUF file"):
         ModelRunner(tiny_model_dirs["llama"], quantization="gguf", device="cpu", num_blocks=4)
+
+
+def test_the_fused_float32_layer_ops_match_their_torch_twins():
+    """csrc/layer_ops_f32.c (models with quantized weights): the norm's mean in another order and
+    the C library's exp, otherwise the same roundings."""
+    from kvtier.model import layer_ops
+    from kvtier.model.llama import RMSNorm, apply_rope
+
+    if native.layer_ops_f32_lib() is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5, torch.float32)
+    norm.weight.data.uniform_(0.5, 1.5, generator=g)
+    for rows in (1, 5):
+        x, res = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g)
+        want_normed, want_res = norm.add_norm(x, res.clone())
+        res_native = res.clone()
+        got = layer_ops.add_rms_norm_f32(x, res_native, norm.weight, norm.eps)
+        assert got is not None
+        torch.testing.assert_close(res_native, want_res, rtol=0, atol=0)
+        torch.testing.assert_close(got, want_normed, rtol=1e-6, atol=1e-6)
+        qk = torch.randn(rows, 6, 32, generator=g)
+        cos, sin = torch.rand(rows, 1, 16, generator=g), torch.rand(rows, 1, 16, generator=g)
+        want = apply_rope(qk.clone(), cos, sin)
+        got_qk = qk.clone()
+        assert layer_ops.rope_f32_(got_qk, cos, sin)
+        torch.testing.assert_close(got_qk, want, rtol=0, atol=0)
+        gate_up = torch.randn(rows, 2 * 64, generator=g) * 4
+        want_act = F.silu(gate_up[:, :64]) * gate_up[:, 64:]
+        torch.testing.assert_close(layer_ops.silu_mul_f32(gate_up, 64), want_act, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model_dirs, tmp_path):
+    """A model with quantized weights decodes with csrc/decode_attention_f32.c (paged, GQA, several
+    sequences of different lengths) and the fused float32 layer ops: the logits of the torch ops."""
+    path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q8_0")
+    if native.decode_attention_f32_lib() is None:
+        pytest.skip("no C compiler here")
+
+    def decode_logits() -> torch.Tensor:
+        runner = ModelRunner(path, dtype="float32", device="cpu", block_size=4, num_blocks=32)
+        assert runner.attn_backend.native_f32  # type: ignore[attr-defined]
+        seqs = [[(5 * i + 3 * j) % 500 for i in range(n)] for j, n in enumerate((9, 14, 3))]
+        tables = [list(range(8 * j, 8 * j + 8)) for j in range(3)]
+        for j, s in enumerate(seqs):
+            runner.execute(SchedulerOutput(seqs=[ScheduledSeq(f"s{j}", s[:-1], 0, tables[j], False)]))
+        batch = [ScheduledSeq(f"s{j}", [s[-1]], len(s) - 1, tables[j], True) for j, s in enumerate(seqs)]
+        return runner.execute(SchedulerOutput(seqs=batch))
+
+    native_logits = decode_logits()
+    with native.disabled("decode_attention_f32", "layer_ops_f32"):
+        torch_logits = decode_logits()
+    torch.testing.assert_close(native_logits, torch_logits, rtol=0, atol=1e-5)
