@@ -19,7 +19,8 @@ tokens after a 16-token prompt, the prefill's time subtracted, tokens/s. Repeats
 (llama.cpp, then each kvtier variant) so that load from other processes hits all alike; the median
 and the spread of the repeats are reported, and the ratios to llama.cpp of the medians.
 16 streams (prefill included, --streams): kvtier's `generate` on all 16 prompts at once, and
-`llama-server -np 16 -t 2` (started once, before the repeats) sent the same 16 token-id prompts as
+`llama-server -np 16 -t 2` (started for its turn of each repeat and stopped after it, so it never
+idles beside the other measurements) sent the same 16 token-id prompts as
 concurrent `/completion` requests (`ignore_eos`, `cache_prompt: false`), wall time to the last
 response.
 """
@@ -224,9 +225,7 @@ def main() -> None:
         name: {"prefill": [], "decode": []} for name in ["llama.cpp", *engines]
     }
     streams: dict[str, list[float]] = {name: [] for name in ["llama-server", *engines]}
-    server = None
-    if bin_dir is not None and args.streams:
-        server = LlamaServer(bin_dir, gguf, args.streams, 512, args.threads)
+
     load = []
     ctx = corunner.running(args.corunner) if args.corunner else contextlib.nullcontext()
     with ctx:
@@ -234,16 +233,18 @@ def main() -> None:
             if bin_dir is not None:
                 for key, value in llama_bench(bin_dir, gguf, args.threads).items():
                     results["llama.cpp"][key].append(value)
-            if server is not None:
-                streams["llama-server"].append(server.streams(args.streams, 256, 128, r))
+            if bin_dir is not None and args.streams:
+                server = LlamaServer(bin_dir, gguf, args.streams, 512, args.threads)
+                try:
+                    streams["llama-server"].append(server.streams(args.streams, 256, 128, r))
+                finally:
+                    server.close()
             for name, engine in engines.items():
                 for key, value in engine.measure(r + 1).items():
                     results[name][key].append(value)
                 if args.streams:
                     streams[name].append(engine.streams(args.streams, 256, 128, r))
             load.append(os.getloadavg()[0])
-    if server is not None:
-        server.close()
     report: dict = {
         "machine": describe(),
         "gguf": gguf.name,
