@@ -6,7 +6,9 @@
 
 Each busy core is one process spinning in pure Python (no syscalls, no memory traffic to speak
 of), unpinned unless `--cpu` is given, so the kernel's scheduler places it as it would a
-neighbour's job. The benchmarks use `running(cores)` around each measured engine:
+neighbour's job. A child process inherits the CPU affinity of the thread that starts it, and an
+offline kvtier engine pins its compute thread (the caller's) to one CPU, so the co-runner (and any
+peer a benchmark starts, with `preexec_fn=unpin`) first widens its affinity to every CPU again. The benchmarks use `running(cores)` around each measured engine:
 
     with corunner.running(1):
         ...
@@ -24,6 +26,15 @@ import time
 from collections.abc import Iterator
 
 
+def unpin() -> None:
+    """Let the calling process run on every CPU it may use (the kernel intersects the mask with
+    its cpuset): undoes the one-CPU affinity inherited from a pinned compute thread."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (OSError, AttributeError):
+        pass
+
+
 def spin(seconds: float | None, cpu: int | None) -> None:
     try:  # end with the benchmark that started it, also when that one is killed (Linux)
         import ctypes
@@ -33,6 +44,8 @@ def spin(seconds: float | None, cpu: int | None) -> None:
         pass
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    else:
+        unpin()
     end = None if seconds is None else time.monotonic() + seconds
     x = 0
     while end is None or time.monotonic() < end:

@@ -4,9 +4,11 @@ same checkpoint's weights dequantized to float32, on real text; prints JSON.
     python benchmarks/quant_weights_accuracy.py [--gguf FILE] [--text FILE] [--context 512] [--score 64]
 
 Variants (all float32 activations outside the projections, float32 KV):
-  gguf_float    the file's blocks as they are, x float32 in the kernel (the default)
-  gguf_int8_act the same, x quantized to int8 per block of 32 in the decode kernel (llama.cpp's way)
-  int8          the dequantized weights re-quantized to 8 bits per weight at load (--quantization int8)
+  gguf_float     the file's blocks as they are, x float32 in the kernel
+  gguf_int16_act the same, x quantized to int16 per block of 32 in the decode kernel (the default)
+  gguf_int8_act  the same, x quantized to int8 per block of 32 in the decode kernel (llama.cpp's way)
+  int8           the dequantized weights re-quantized to 8 bits per weight at load (--quantization
+                 int8); int8_int16_act and int8_int8_act the same with x in int16 or int8
 Reference: quantization="none" (every weight dequantized to float32 at load).
 
 Each text window is prefilled to `context - score` tokens, then `score` tokens are fed one decode
@@ -96,8 +98,10 @@ def main() -> None:
     }
     for name, (quantization, act) in {
         "gguf_float": ("gguf", "float"),
+        "gguf_int16_act": ("gguf", "int16"),
         "gguf_int8_act": ("gguf", "int8"),
         "int8": ("int8", "float"),
+        "int8_int16_act": ("int8", "int16"),
         "int8_int8_act": ("int8", "int8"),
     }.items():
         lp = run(gguf, quantization, act, windows, args.score)

@@ -39,16 +39,18 @@ BLOCK = 32
 Q8, Q4 = "q8", "q4"
 _FMT_CODE = {Q8: 0, Q4: 1}  # KVT_Q8, KVT_Q4 of csrc/quant_gemm.c
 _X_KIND = {torch.float32: 0, torch.bfloat16: 1}
-_X_MODE = {"float": 0, "int8": 1}  # KVT_X_FLOAT, KVT_X_INT8
+_X_MODE = {"float": 0, "int8": 1, "int16": 2}  # KVT_X_FLOAT, KVT_X_INT8, KVT_X_INT16
 
-ACTIVATIONS = os.environ.get("KVTIER_QUANT_ACTIVATIONS", "float")
-"""How the decode kernel meets x: `int8` (x quantized per block of 32 to int8, integer products:
-llama.cpp's way, about 3x faster on AVX2; its accuracy cost is in docs/benchmarks.md) or `float`
-(x in float32: the same sums as the dequantized weight times x, in another order)."""
+ACTIVATIONS = os.environ.get("KVTIER_QUANT_ACTIVATIONS", "int16")
+"""How the decode kernel meets x: `int16` (the default: x quantized per block of 32 to int16, a
+relative step of 3e-5, and exact integer products; about 20% faster than `float` on one row, where
+the kernel is bound by instructions), `int8` (x per block of 32 in int8, llama.cpp's way: as fast as
+int16 here and 250 times coarser) or `float` (x in float32: the same sums as the dequantized weight
+times x, in another order). What each costs in accuracy is in docs/benchmarks.md."""
 
 KERNEL_MAX_ROWS = 16
 """Batches of up to this many rows run the native kernel on the quantized bytes; larger ones
-dequantize and run a dense GEMM (see `benchmarks/model_micro.py --quant`)."""
+dequantize and run a dense GEMM (see `benchmarks/quant_gemm.py`)."""
 
 QUANTIZATIONS = ("int8",)
 """Weight-only quantizations of a float checkpoint at load (`quantization=`)."""

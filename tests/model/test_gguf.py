@@ -235,9 +235,11 @@ def test_convert_writes_a_directory_with_the_same_logits_and_tokenizer(tiny_mode
     assert main(["convert", str(path), str(out)]) == 0
     ids = [(13 * i + 7) % 500 for i in range(11)]
     # the file dequantized at load (quantization="none") is what convert writes, exactly; served
-    # from its quantized blocks (the default), the same weights in another order of sums
+    # from its quantized blocks (the default), the same weights in another order of sums, with x
+    # rounded to int16 per block of 32 in the kernel (a step of 3e-5 of the block's largest value)
     torch.testing.assert_close(logits(out, ids), logits(path, ids, "none"), rtol=0, atol=0)
-    torch.testing.assert_close(logits(out, ids), logits(path, ids), rtol=0, atol=1e-5)
+    want = logits(out, ids)
+    torch.testing.assert_close(logits(path, ids), want, rtol=0, atol=1e-4 * float(want.abs().max()))
     a, b = Tokenizer(path), Tokenizer(out)
     assert a.encode("heat the tea") == b.encode("heat the tea")
     msgs = [{"role": "user", "content": "hi"}]

@@ -87,6 +87,25 @@ def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, 
 
 
 @pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
+def test_int16_activations_stay_within_their_rounding(fmt, affine, monkeypatch):
+    """x quantized per block of 32 to int16 (the default): the error is x's rounding, about
+    1/65534 of each block's largest value, on every path of the kernel (1, 4, 7, 8 and 16 rows)."""
+    if native.quant_linear_lib() is None:
+        pytest.skip("no native quantized kernel on this machine (AVX2, FMA and F16C)")
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "int16")
+    n, k = 70, 256  # n not a multiple of the kernel's chunk of 32 rows
+    w = make_weight(fmt, n, k, affine, seed=5)
+    layer = QuantLinear(w, None, dtype=torch.float32)
+    dense = w.dequantize()
+    g = torch.Generator().manual_seed(6)
+    for rows in (1, 4, 7, 8, 16):
+        x = torch.randn(rows, k, generator=g)
+        got, want = layer(x), x @ dense.T
+        rel = float((got - want).norm() / want.norm())
+        assert 0 < rel < 1e-4, (rows, rel)
+
+
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
 def test_int8_activations_stay_within_llama_cpp_style_rounding(fmt, affine, monkeypatch):
     """x quantized per block of 32 to int8 (KVTIER_QUANT_ACTIVATIONS=int8): the error is x's
     rounding, about 1/254 of each block's largest value, not a wrong product."""
@@ -97,8 +116,9 @@ def test_int8_activations_stay_within_llama_cpp_style_rounding(fmt, affine, monk
     w = make_weight(fmt, n, k, affine, seed=3)
     layer = QuantLinear(w, None, dtype=torch.float32)
     dense = w.dequantize()
-    for rows in (1, 4, 7):
-        x = torch.randn(rows, k)
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 4, 7, 8, 16):
+        x = torch.randn(rows, k, generator=g)
         got, want = layer(x), x @ dense.T
         rel = float((got - want).norm() / want.norm())
         assert 0 < rel < 1e-2, rel
@@ -217,9 +237,11 @@ def test_the_fused_float32_layer_ops_match_their_torch_twins():
         torch.testing.assert_close(layer_ops.silu_mul_f32(gate_up, 64), want_act, rtol=1e-6, atol=1e-6)
 
 
-def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model_dirs, tmp_path):
+def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model_dirs, tmp_path, monkeypatch):
     """A model with quantized weights decodes with csrc/decode_attention_f32.c (paged, GQA, several
-    sequences of different lengths) and the fused float32 layer ops: the logits of the torch ops."""
+    sequences of different lengths) and the fused float32 layer ops: the logits of the torch ops
+    (x float32 in the projections, so that the two differ only by these ops)."""
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
     path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q8_0")
     if native.decode_attention_f32_lib() is None:
         pytest.skip("no C compiler here")
