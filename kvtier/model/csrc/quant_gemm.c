@@ -440,8 +440,9 @@ static inline __attribute__((always_inline)) void linear_rows_int(int fmt, int b
     }
 }
 
-/* x row -> int16 blocks: dx = max|x| / 32767 per block, qx = round(x / dx). */
-static void quantize_row16(const float *x, int64_t nb, int16_t *qx, float *dx) {
+/* x row -> integer blocks of `bits` (8 or 16): dx = max|x| / (2^(bits-1) - 1) per block, qx = round(x / dx). */
+static void quantize_row(const float *x, int64_t nb, int bits, void *qx, float *dx) {
+    const float top = bits == 16 ? 32767.0f : 127.0f;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + 32 * b;
         float amax = 0.0f;
@@ -449,26 +450,16 @@ static void quantize_row16(const float *x, int64_t nb, int16_t *qx, float *dx) {
             const float v = xb[i] < 0 ? -xb[i] : xb[i];
             amax = v > amax ? v : amax;
         }
-        const float scale = amax / 32767.0f;
+        const float scale = amax / top;
         const float inv = scale > 0 ? 1.0f / scale : 0.0f;
         dx[b] = scale;
-        for (int i = 0; i < 32; i++) qx[32 * b + i] = (int16_t)__builtin_lrintf(xb[i] * inv);
-    }
-}
-
-/* x row -> int8 blocks: dx = max|x| / 127 per block, qx = round(x / dx). */
-static void quantize_row8(const float *x, int64_t nb, int8_t *qx, float *dx) {
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + 32 * b;
-        float amax = 0.0f;
         for (int i = 0; i < 32; i++) {
-            const float v = xb[i] < 0 ? -xb[i] : xb[i];
-            amax = v > amax ? v : amax;
+            const long v = __builtin_lrintf(xb[i] * inv);
+            if (bits == 16)
+                ((int16_t *)qx)[32 * b + i] = (int16_t)v;
+            else
+                ((int8_t *)qx)[32 * b + i] = (int8_t)v;
         }
-        const float scale = amax / 127.0f;
-        const float inv = scale > 0 ? 1.0f / scale : 0.0f;
-        dx[b] = scale;
-        for (int i = 0; i < 32; i++) qx[32 * b + i] = (int8_t)__builtin_lrintf(xb[i] * inv);
     }
 }
 
@@ -503,7 +494,7 @@ int kvt_quant_linear(const void *x, int64_t M, int64_t ldx, int x_kind, int x_mo
             return KVT_UNSUPPORTED;
         }
         float *dx = (float *)(qx + M * K); /* M K is a multiple of 32: aligned */
-        for (int64_t r = 0; r < M; r++) quantize_row8(xf + r * K, nb, qx + r * K, dx + r * nb);
+        for (int64_t r = 0; r < M; r++) quantize_row(xf + r * K, nb, 8, qx + r * K, dx + r * nb);
         if (fmt == KVT_Q8)
             linear_rows_int(KVT_Q8, 8, qx, dx, xs, M, K, q, d, m, N, bias, out, ldo, x_kind);
         else
@@ -516,7 +507,7 @@ int kvt_quant_linear(const void *x, int64_t M, int64_t ldx, int x_kind, int x_mo
             return KVT_UNSUPPORTED;
         }
         float *dx = (float *)(qx + M * K); /* M K is a multiple of 32: aligned */
-        for (int64_t r = 0; r < M; r++) quantize_row16(xf + r * K, nb, qx + r * K, dx + r * nb);
+        for (int64_t r = 0; r < M; r++) quantize_row(xf + r * K, nb, 16, qx + r * K, dx + r * nb);
         if (fmt == KVT_Q8)
             linear_rows_int(KVT_Q8, 16, qx, dx, xs, M, K, q, d, m, N, bias, out, ldo, x_kind);
         else
