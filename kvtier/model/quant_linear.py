@@ -225,6 +225,11 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, *, dtype: torch.dtype) -> None:
         super().__init__()
+        if ACTIVATIONS not in _X_MODE:  # checked when a model loads, not at its first step
+            raise ValueError(
+                f"KVTIER_QUANT_ACTIVATIONS={ACTIVATIONS!r}: expected one of {', '.join(_X_MODE)} "
+                "(how the quantized-weight kernel meets x)"
+            )
         self.in_features, self.out_features = weight.k, weight.n
         self.fmt = weight.fmt
         self.register_buffer("q", weight.q)

@@ -190,6 +190,12 @@ def test_bad_quantization_choices_are_clear_errors(tiny_model_dirs):
         ModelRunner(tiny_model_dirs["llama"], quantization="gguf", device="cpu", num_blocks=4)
 
 
+def test_an_unknown_activation_mode_is_a_clear_error_at_load(monkeypatch):
+    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "int4")
+    with pytest.raises(ValueError, match="KVTIER_QUANT_ACTIVATIONS='int4': expected one of float, int8, int16"):
+        QuantLinear(make_weight(Q8, 8, 32, False), dtype=torch.float32)
+
+
 def test_the_fused_float32_layer_ops_match_their_torch_twins():
     """csrc/layer_ops_f32.c (models with quantized weights): the norm's mean in another order and
     the C library's exp, otherwise the same roundings."""
