@@ -219,6 +219,7 @@ class ZmqEventPublisher:
         self.num_published = 0
         self.num_dropped = 0
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # closing (or collecting) it never blocks on a socket
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self.endpoint = config.endpoint

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ class Subscriber:
 
     def __init__(self, port: int, replay_port: int | None = None) -> None:
         self.ctx = zmq.Context()
+        self.ctx.setsockopt(zmq.LINGER, 0)  # closing (or collecting) it never waits on a socket
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(f"tcp://127.0.0.1:{port}")
@@ -53,10 +56,18 @@ class Subscriber:
         self.payloads: list[bytes] = []
         self.cleared = 0
 
-    def drain(self, settle_s: float = 0.3) -> None:
-        """Take every message until none arrives for `settle_s`. A gap in the sequence numbers
-        (messages sent before the subscription took hold: ZMQ's slow joiner) is filled from the
-        replay socket first, as a consumer should; so is a first drain (catch up, then follow)."""
+    def drain(self, settle_s: float = 0.3, until: Callable[[], bool] | None = None, timeout_s: float = 15.0) -> None:
+        """Take every message until none arrives for `settle_s` (and, with `until`, until it holds
+        or `timeout_s` has passed: the engine publishes from a thread that a loaded machine may
+        hold back longer than `settle_s`). A gap in the sequence numbers (messages sent before the
+        subscription took hold: ZMQ's slow joiner) is filled from the replay socket first, as a
+        consumer should; so is a first drain (catch up, then follow)."""
+        deadline = time.monotonic() + timeout_s
+        self._drain(settle_s)
+        while until is not None and not until() and time.monotonic() < deadline:
+            self._drain(settle_s)
+
+    def _drain(self, settle_s: float) -> None:
         if not self.seqs and self.replay_port is not None:
             for s, p in self.replay(0):
                 self._take(s, p)
@@ -114,23 +125,24 @@ class Subscriber:
 
     def replay(self, start: int) -> list[tuple[int, bytes]]:
         dealer = self.ctx.socket(zmq.DEALER)
-        dealer.connect(f"tcp://127.0.0.1:{self.replay_port}")
-        dealer.send_multipart((b"", start.to_bytes(8, "big")))
-        got = []
-        while True:
-            assert dealer.poll(5000), "no replay answer"
-            empty, topic, seq, payload = dealer.recv_multipart()
-            assert empty == b""
-            if seq == END_SEQ:
-                assert topic == b"" and payload == b""
-                break
-            got.append((int.from_bytes(seq, "big"), payload))
-        dealer.close(linger=0)
-        return got
+        try:
+            dealer.connect(f"tcp://127.0.0.1:{self.replay_port}")
+            dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            got = []
+            while True:
+                assert dealer.poll(15000), "no replay answer"
+                empty, topic, seq, payload = dealer.recv_multipart()
+                assert empty == b""
+                if seq == END_SEQ:
+                    assert topic == b"" and payload == b""
+                    break
+                got.append((int.from_bytes(seq, "big"), payload))
+            return got
+        finally:
+            dealer.close(linger=0)
 
     def close(self) -> None:
-        self.sub.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
 def _events_llm(model: Path, port: int, replay: int | None = None, **kw: Any) -> LLM:
@@ -203,20 +215,24 @@ def test_purge_reset_salts_and_restart(byte_model_dir: Path) -> None:
         core.add_request(list(range(40, 60)), GREEDY)
         while core.has_unfinished:
             core.step()
-        sub.drain()
+
+        def device_view() -> set[int]:
+            return {block_hash(n.key) for n in core.kv.index.nodes()}
+
+        sub.drain(until=lambda: set(sub.media.get(("GPU", None), {})) == device_view())
         gpu = sub.media[("GPU", None)]
-        assert set(gpu) == {block_hash(n.key) for n in core.kv.index.nodes()} and len(gpu) >= 8
+        assert set(gpu) == device_view() and len(gpu) >= 8
         first_blocks = [p for p in sub.payloads if b"extra_keys" in p]
         assert first_blocks, "the salted chain's first block carries extra keys"
         assert all(b"s3cret" not in p for p in sub.payloads), "a salt never goes out in clear"
         assert salt_digest("s3cret").encode() in first_blocks[0]
         core.tenants.purge("acme")  # everything of the tenant leaves the routers' view
-        sub.drain()
+        sub.drain(until=lambda: set(sub.media[("GPU", None)]) == device_view())
         left = sub.media[("GPU", None)]
-        assert set(left) == {block_hash(n.key) for n in core.kv.index.nodes()}
+        assert set(left) == device_view()
         assert left and all(n.owner.tenant is None for n in core.kv.index.nodes())
         assert core.reset_prefix_cache() == len(left)
-        sub.drain()
+        sub.drain(until=lambda: sub.cleared >= 1)
         assert sub.cleared == 1 and not sub.media, "nothing left anywhere: AllBlocksCleared"
         clean(llm)
     finally:
@@ -227,7 +243,7 @@ def test_purge_reset_salts_and_restart(byte_model_dir: Path) -> None:
     llm = _events_llm(byte_model_dir, port, replay, num_device_blocks=64)
     try:
         llm.generate([{"prompt_token_ids": list(range(70, 90))}], GREEDY)
-        sub.drain()
+        sub.drain(until=lambda: bool(sub.seqs))
         assert sub.seqs and sub.seqs[0] == 0
         clean(llm)
     finally:

@@ -95,16 +95,25 @@ def test_integer_activations_stay_within_their_rounding(fmt, affine, mode, bound
     if native.quant_linear_lib() is None:
         pytest.skip("no native quantized kernel on this machine (AVX2, FMA and F16C)")
     monkeypatch.setattr(quant_linear, "ACTIVATIONS", mode)
-    n, k = 70, 256  # n not a multiple of the kernel's chunk of 32 rows
-    w = make_weight(fmt, n, k, affine, seed=5)
-    layer = QuantLinear(w, None, dtype=torch.float32)
-    dense = w.dequantize()
     g = torch.Generator().manual_seed(6)
-    for rows in (1, 4, 7, 8, 16):
-        x = torch.randn(rows, k, generator=g)
-        got, want = layer(x), x @ dense.T
-        rel = float((got - want).norm() / want.norm())
-        assert 0 < rel < bound, (rows, rel)
+    # n not a multiple of the kernel's chunk of 32 rows; k of 3, 8 and 10 blocks (the int16 row
+    # forms its scales 8 blocks at a time, with a tail)
+    for n, k in ((70, 256), (40, 96), (33, 320)):
+        w = make_weight(fmt, n, k, affine, seed=5)
+        layer = QuantLinear(w, None, dtype=torch.float32)
+        dense = w.dequantize()
+        for rows in (1, 4, 7, 8, 16):
+            x = torch.randn(rows, k, generator=g)
+            got, want = layer(x), x @ dense.T
+            rel = float((got - want).norm() / want.norm())
+            assert 0 < rel < bound, (n, k, rows, rel)
+    # bfloat16 x and output: one more rounding, of the output
+    layer = QuantLinear(w, torch.randn(n, generator=g), dtype=torch.bfloat16)
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    want = F.linear(x.float(), dense, layer.bias.float())
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    assert float((got.float() - want).norm() / want.norm()) < bound + 1e-2
 
 
 def test_int8_weight_quantization_is_within_half_a_step():

@@ -137,6 +137,7 @@ class _ReplicaBlocks:
         self._stop = threading.Event()
         self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
         self._ctx = zmq.Context()
+        self._ctx.setsockopt(zmq.LINGER, 0)  # closing (or collecting) it never blocks on a socket
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{name}", daemon=True)
         self._thread.start()
 
