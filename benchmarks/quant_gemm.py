@@ -1,12 +1,14 @@
 """The quantized-weight kernel (kvtier/model/csrc/quant_gemm.c) on SmolLM2-135M's projection shapes,
 against torch's dense float32 `F.linear` on the same values; prints JSON.
 
-    python benchmarks/quant_gemm.py [--rows 1 4 8 16] [--repeat 50]
+    python benchmarks/quant_gemm.py [--rows 1 4 8 16 64 128 512] [--repeat 50]
 
-For each shape (N out x K in), batch of rows M and way x meets the weights (float32, int16 or int8
-blocks: `KVTIER_QUANT_ACTIVATIONS`): microseconds per call (min and median of `repeat` calls, all
-interleaved so that load from other processes hits all alike), the effective weight bandwidth
-(weight bytes / min time) and the largest error relative to the dense GEMM's largest output.
+For each shape (N out x K in) and batch of rows M: microseconds per call of the native kernel
+(`int16`: x meets the interleaved quantized weights as int16 blocks), of torch's dense float32
+`F.linear` on the dequantized weight (`dense_f32`), and of dequantizing then `F.linear`
+(`dequant_gemm`: what QuantLinear does above KERNEL_MAX_ROWS rows); min and median of `repeat` calls,
+all interleaved so that load from other processes hits all alike; the effective weight bandwidth
+(weight bytes / min time) and the kernel's largest error relative to the dense GEMM's largest output.
 A decode step of M sequences calls every projection once with M rows, so these are the parts of
 a step's time; `decode_16` of benchmarks/llama_cpp.py is the whole.
 """
@@ -28,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import describe
 
-from kvtier.model import native, quant_linear
+from kvtier.model import native
 from kvtier.model.quant_linear import Q4, Q8, QuantLinear, QuantWeight
 
 # SmolLM2-135M: hidden 576, 9 + 2 * 3 heads of 64, intermediate 1536, vocab 49152 (the Q4_1 file
 # holds the projections as Q4_1 and the tied lm_head as Q8_0)
-MODES = ("float", "int16", "int8")  # kvtier.model.quant_linear.ACTIVATIONS
+MODES = ("int16",)  # the native kernel (x as int16 blocks: the only way it meets x)
 SHAPES = {
     "qkv_proj": (960, 576, Q4),
     "o_proj": (576, 576, Q4),
@@ -64,7 +66,7 @@ def time_us(fns: dict[str, object], repeat: int) -> dict[str, list[float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 64, 128, 512])
     parser.add_argument("--repeat", type=int, default=50)
     args = parser.parse_args()
     if native.quant_linear_lib() is None:
@@ -81,13 +83,14 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k)
             ref = F.linear(x, dense)
-            errors = {}
-            for mode in MODES:
-                quant_linear.ACTIVATIONS = mode
-                errors[mode] = float((layer(x) - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-            fns = {"dense_f32": lambda x=x, dense=dense: F.linear(x, dense)}
-            for mode in MODES:
-                fns[mode] = lambda mode=mode, x=x, layer=layer: (setattr(quant_linear, "ACTIVATIONS", mode), layer(x))
+            got = layer._kernel(x)
+            assert got is not None
+            errors = {"int16": float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))}
+            fns = {
+                "dense_f32": lambda x=x, dense=dense: F.linear(x, dense),
+                "dequant_gemm": lambda x=x, layer=layer: F.linear(x, layer.weight_q.dequantize(x.dtype)),
+                "int16": lambda x=x, layer=layer: layer._kernel(x),
+            }
             times = time_us(fns, args.repeat)
             best = {key: min(v) for key, v in times.items()}
             per_rows[m] = {
@@ -105,7 +108,7 @@ def main() -> None:
             )  # type: ignore[union-attr,index]
             for m in args.rows
         }
-        for mode in ("dense_f32", *MODES)
+        for mode in ("dense_f32", "dequant_gemm", *MODES)
     }
     # a whole step's projections with 30 layers of distinct weights (97 MB, more than the L3 cache):
     # the weights stream from memory, as in a decode step, not from cache as in the loop above
@@ -124,18 +127,18 @@ def main() -> None:
     def step(x: torch.Tensor) -> None:
         for group in layers:
             for layer in group:
-                layer(
+                layer._kernel(
                     x[:, : layer.in_features]
                     if layer.in_features <= x.shape[1]
                     else x.repeat(1, 3)[:, : layer.in_features]
                 )
-        head(x[:, : head.in_features])
+        head._kernel(x[:, : head.in_features])
 
     results["step_weight_mb"] = round(step_bytes / 1e6, 1)
     results["step_ms"] = {}
     for m in args.rows:
         x = torch.randn(m, 1536)
-        fns = {mode: lambda mode=mode, x=x: (setattr(quant_linear, "ACTIVATIONS", mode), step(x)) for mode in MODES}
+        fns = {"int16": lambda x=x: step(x)}
         times = time_us(fns, max(3, args.repeat // 10))
         results["step_ms"][m] = {
             mode: {

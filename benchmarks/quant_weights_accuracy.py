@@ -3,12 +3,11 @@ same checkpoint's weights dequantized to float32, on real text; prints JSON.
 
     python benchmarks/quant_weights_accuracy.py [--gguf FILE] [--text FILE] [--context 512] [--score 64]
 
-Variants (all float32 activations outside the projections, float32 KV):
-  gguf_float     the file's blocks as they are, x float32 in the kernel
-  gguf_int16_act the same, x quantized to int16 per block of 32 in the decode kernel (the default)
-  gguf_int8_act  the same, x quantized to int8 per block of 32 in the decode kernel (llama.cpp's way)
+Variants (all float32 activations outside the projections, float32 KV; x meets quantized weights
+as int16 per block of 32 in the kernel):
+  gguf           the file's blocks as they are (the default)
   int8           the dequantized weights re-quantized to 8 bits per weight at load (--quantization
-                 int8); int8_int16_act and int8_int8_act the same with x in int16 or int8
+                 int8)
 Reference: quantization="none" (every weight dequantized to float32 at load).
 
 Each text window is prefilled to `context - score` tokens, then `score` tokens are fed one decode
@@ -43,13 +42,11 @@ def license_text() -> str:
     return "\n\n".join(parts)
 
 
-def run(gguf: Path, quantization: str | None, activations: str, windows: list[list[int]], score: int) -> torch.Tensor:
+def run(gguf: Path, quantization: str | None, windows: list[list[int]], score: int) -> torch.Tensor:
     """log-probs [W, score, vocab] of the decode steps."""
-    from kvtier.model import quant_linear
     from kvtier.model.runner import ModelRunner
     from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
-    quant_linear.ACTIVATIONS = activations
     bs = 16
     per = -(-len(windows[0]) // bs)
     runner = ModelRunner(gguf, dtype="float32", block_size=bs, num_blocks=len(windows) * per, quantization=quantization)
@@ -83,7 +80,7 @@ def main() -> None:
     tokens = Tokenizer(str(gguf)).encode(text)
     n = min(args.windows, 16, len(tokens) // (args.context + 1))
     windows = [tokens[i * (args.context + 1) : (i + 1) * (args.context + 1)] for i in range(n)]
-    ref = run(gguf, "none", "float", windows, args.score)
+    ref = run(gguf, "none", windows, args.score)
     targets = torch.tensor([w[len(w) - args.score :] for w in windows])
     ref_nll = -float(ref.gather(-1, targets[..., None]).mean())
     report: dict = {
@@ -96,15 +93,8 @@ def main() -> None:
         "reference": "quantization=none (float32 weights)",
         "variants": {},
     }
-    for name, (quantization, act) in {
-        "gguf_float": ("gguf", "float"),
-        "gguf_int16_act": ("gguf", "int16"),
-        "gguf_int8_act": ("gguf", "int8"),
-        "int8": ("int8", "float"),
-        "int8_int16_act": ("int8", "int16"),
-        "int8_int8_act": ("int8", "int8"),
-    }.items():
-        lp = run(gguf, quantization, act, windows, args.score)
+    for name, quantization in {"gguf": "gguf", "int8": "int8"}.items():
+        lp = run(gguf, quantization, windows, args.score)
         kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
         top1 = float((ref.argmax(-1) == lp.argmax(-1)).double().mean())
         nll = -float(lp.gather(-1, targets[..., None]).mean())

@@ -13,6 +13,7 @@ larger GEMM is faster than three small ones, most of all for decode-sized T.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,9 @@ from kvtier.model import layer_ops
 from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.linear import ONEDNN, GemmPlan, Linear, plan_for
+
+if TYPE_CHECKING:
+    from kvtier.model.fused_decode import FusedDecode
 
 
 class RMSNorm(nn.Module):
@@ -229,6 +233,10 @@ class DecoderLM(nn.Module):
         self.rope = RotaryEmbedding(arch, device)
         self.requires_grad_(False)
 
+    fused_decode: FusedDecode | None = None
+    """A kvtier.model.fused_decode.FusedDecode where the loader found one applies (float32 with
+    quantized projections): decode-only steps then run every layer in one native call."""
+
     weight_format = "dense"
     """How the projections hold their weights (kvtier.model.loader.WEIGHT_FORMATS); `dense` also
     where a quantized format was asked for but no projection of the checkpoint has one."""
@@ -263,6 +271,10 @@ class DecoderLM(nn.Module):
         """input_ids, positions [T] long; kv_caches[l] [2, Hkv, num_blocks, block_size, D] (a tensor, or
         a QuantizedKVCache when the KV dtype is not the model dtype: see kvtier.model.attention).
         Returns hidden states [T, hidden] (final norm not applied)."""
+        if self.fused_decode is not None and meta.decode is not None and not meta.prefills:
+            fused = self.fused_decode(self, input_ids, positions, kv_caches, meta)
+            if fused is not None:
+                return fused
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rope.cos_sin(positions, h.dtype)  # [T, 1, D/2], shared by all layers
         residual = None

@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from kvtier.model import gguf
 from kvtier.model.attention import AttentionBackend, TorchPagedAttention
+from kvtier.model.fused_decode import FusedDecode
 from kvtier.model.hf_config import ArchConfig, ModelFilesNotFoundError, ModelLoadError
 from kvtier.model.linear import Linear
 from kvtier.model.llama import MLP, Attention, DecoderLayer, DecoderLM, RMSNorm
@@ -154,6 +155,8 @@ def load_model(
                 module.native_f32 = True
         if isinstance(backend, TorchPagedAttention):
             backend.native_f32 = True
+            # decode-only steps: every layer in one native call (csrc/decode_model_f32.c)
+            model.fused_decode = FusedDecode.for_model(model)
     return model.eval()
 
 

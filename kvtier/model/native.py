@@ -7,6 +7,7 @@
     lib = native.quant_linear_lib()
     lib = native.layer_ops_f32_lib()
     lib = native.decode_attention_f32_lib()
+    lib = native.decode_model_f32_lib()
 
 Each library is compiled once per source, compiler and CPU (`-O3 -march=native -fopenmp`) into
 `$KVTIER_CACHE_DIR/native` (default `~/.cache/kvtier/native`) and loaded with ctypes, which releases the GIL during a call. Its OpenMP runtime is the one torch
@@ -124,14 +125,24 @@ _SIGNATURES = {
             _int,
         ),
     },
-    "quant_gemm": {
-        "kvt_has_quant_linear": ([], _int),
-        # x, M, ldx, x_kind, x_mode, q, fmt, d, m (or NULL), N, K, bias (float32 or NULL), out, ldo
-        "kvt_quant_linear": (
-            [_ptr, _i64, _i64, _int, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64],
+    "decode_model_f32": {
+        "kvt_has_decode_model_f32": ([], _int),
+        # layers (kvt_layer[L]), L, h (in/out), T, hidden, num_heads, num_kv_heads, dim, inter, eps, cos,
+        # sin, slots, block_tables, max_blocks, seq_lens, num_blocks, block_size, sm_scale
+        "kvt_decode_model_f32": (
+            [_ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64]
+            + [_i64, _f32],
             _int,
         ),
-        # q, fmt, d, m (or NULL), N, K, out, out_kind
+    },
+    "quant_gemm": {
+        "kvt_has_quant_linear": ([], _int),
+        # x, M, ldx, x_kind, q (interleaved), fmt, d, m (or NULL), N, K, bias (float32 or NULL), out, ldo
+        "kvt_quant_linear": (
+            [_ptr, _i64, _i64, _int, _ptr, _int, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64],
+            _int,
+        ),
+        # q (interleaved), fmt, d, m (or NULL), N, K, out, out_kind
         "kvt_quant_dequant": ([_ptr, _int, _ptr, _ptr, _i64, _i64, _ptr, _int], _int),
     },
 }
@@ -157,7 +168,7 @@ def enabled() -> bool:
 def disabled(*names: str) -> Iterator[None]:
     """Run the enclosed code on the torch ops (for comparisons and experiments): every native
     library, or only those named ("kv_quant", "paged_attention", "gemm", "layer_ops", "layer_ops_f32",
-    "decode_attention_f32", "quant_gemm")."""
+    "decode_attention_f32", "quant_gemm", "decode_model_f32")."""
     global _enabled
     before = _enabled, set(_disabled_libs)
     if names:
@@ -213,6 +224,18 @@ def decode_attention_f32_lib() -> ctypes.CDLL | None:
     """The float32 paged decode attention in plain C (csrc/decode_attention_f32.c), or None:
     disabled or no working build. Only models with quantized weights use it."""
     return _load("decode_attention_f32") if _active("decode_attention_f32") else None
+
+
+def decode_model_f32_lib() -> ctypes.CDLL | None:
+    """A whole decode step of a float32 model with quantized projections in one call
+    (csrc/decode_model_f32.c, which includes quant_gemm.c, layer_ops_f32.c and
+    decode_attention_f32.c), or None: disabled (by its name, or by any of those three), no working
+    build, or a CPU without AVX2, FMA and F16C."""
+    parts = ("decode_model_f32", "quant_gemm", "layer_ops_f32", "decode_attention_f32")
+    if not all(_active(name) for name in parts):
+        return None
+    lib = _load("decode_model_f32")
+    return lib if lib is not None and bool(lib.kvt_has_decode_model_f32()) else None
 
 
 def quant_linear_lib() -> ctypes.CDLL | None:
@@ -281,8 +304,9 @@ def _build(source: Path) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     key = hashlib.sha256()
-    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
-    for part in (source.read_bytes(), *headers, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
+    # every source of the folder: a file may include another (decode_model_f32.c includes three)
+    others = [p.read_bytes() for p in sorted(source.parent.iterdir()) if p.suffix in (".c", ".h") and p != source]
+    for part in (source.read_bytes(), *others, " ".join(FLAGS).encode(), version.encode(), _cpu_id().encode()):
         key.update(part)
     out_dir = _cache_dir()
     target = out_dir / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -4,8 +4,7 @@ weight-only quantization of a float checkpoint (`quantization="int8"`, vLLM's fl
 A decode step reads every weight of the model once, so its time is the weights' bytes over the
 memory bandwidth: SmolLM2-135M's Q4_1 file is 97 MB, the same model dequantized to bfloat16 270 MB.
 `QuantWeight` keeps a weight [N, K] in blocks of 32 elements of a row, each with a float16 scale d
-and, for affine formats, a float16 offset m (W = d q + m), in one of two layouts the kernels read
-(csrc/quant_gemm.c):
+and, for affine formats, a float16 offset m (W = d q + m), in one of two formats:
 
 * `q8`: q int8, one byte per element. GGUF Q8_0 as it is; Q5_0, Q5_1 and Q5_K unpacked to one
   byte (exact); `quantize_int8` of a float weight (symmetric, d = max|w| / 127 per block).
@@ -14,14 +13,16 @@ and, for affine formats, a float16 offset m (W = d q + m), in one of two layouts
   relative error under 2^-11 on the scale, far below the 4-bit step).
 
 GGUF Q6_K (16-element scales) and float tensors are not repacked: those projections stay dense in
-the model dtype. Parts of one fused projection (q|k|v, gate|up) in different layouts are joined as
+the model dtype. Parts of one fused projection (q|k|v, gate|up) in different formats are joined as
 `q8` (q4 unpacks to q8 exactly).
 
-`QuantLinear` multiplies few rows (decode) with the native kernel on the quantized bytes, and many
-rows (a prefill chunk) by dequantizing the weight into a scratch tensor of the input's dtype and
-running a dense GEMM: at 512 rows the dequantization is a few percent of the GEMM. Without the
-native library (no AVX2/FMA/F16C, no compiler, KVTIER_NO_NATIVE=1) both use torch ops on the
-dequantized weight, with the same float32 values of W.
+`QuantLinear` holds its weight interleaved (`QuantWeight.interleave`): each row's blocks in groups of
+8 whose elements are reordered so that the kernel's integer multiply-adds leave one block per vector
+lane (the layout is described in csrc/quant_gemm.c). It multiplies up to `KERNEL_MAX_ROWS` rows with
+the native kernel on the quantized bytes, x meeting them as int16 per block of 32 (exact integer
+products), and more rows (a prefill chunk) by dequantizing the weight into a scratch tensor of the
+input's dtype and running a dense GEMM. Without the native library (no AVX2/FMA/F16C, no compiler,
+KVTIER_NO_NATIVE=1) both use torch ops on the dequantized weight, with the same float32 values of W.
 """
 
 from __future__ import annotations
@@ -39,18 +40,24 @@ BLOCK = 32
 Q8, Q4 = "q8", "q4"
 _FMT_CODE = {Q8: 0, Q4: 1}  # KVT_Q8, KVT_Q4 of csrc/quant_gemm.c
 _X_KIND = {torch.float32: 0, torch.bfloat16: 1}
-_X_MODE = {"float": 0, "int8": 1, "int16": 2}  # KVT_X_FLOAT, KVT_X_INT8, KVT_X_INT16
 
-ACTIVATIONS = os.environ.get("KVTIER_QUANT_ACTIVATIONS", "int16")
-"""How the decode kernel meets x: `int16` (the default: x quantized per block of 32 to int16, a
-relative step of 3e-5, and exact integer products; about 20% faster than `float` on one row, where
-the kernel is bound by instructions), `int8` (x per block of 32 in int8, llama.cpp's way: as fast as
-int16 here and 250 times coarser) or `float` (x in float32: the same sums as the dequantized weight
-times x, in another order). What each costs in accuracy is in docs/benchmarks.md."""
+ACTIVATIONS_ENV = "KVTIER_QUANT_ACTIVATIONS"
+"""Earlier versions chose here how the decode kernel met x (float, int8 or int16). x now always meets
+the weights as int16 per block of 32 (a relative step of 3e-5, exact integer products; what the
+three cost and gained is in docs/benchmarks.md): any other value is refused when a model loads."""
 
-KERNEL_MAX_ROWS = 16
+GROUP = 8
+"""Blocks per interleaved group (GROUP of csrc/quant_gemm.c)."""
+
+_ELEM_TO_POS = torch.tensor([(i // 2) * 16 + 2 * j + (i % 2) for j in range(GROUP) for i in range(BLOCK)])
+"""Element 32 j + i of a group (block j) -> its position in the interleaved order."""
+_POS_TO_ELEM = torch.argsort(_ELEM_TO_POS)
+
+KERNEL_MAX_ROWS = 128
 """Batches of up to this many rows run the native kernel on the quantized bytes; larger ones
-dequantize and run a dense GEMM (see `benchmarks/quant_gemm.py`)."""
+dequantize and run a dense GEMM. On SmolLM2's shapes (2-vCPU EPYC, AVX-512) the kernel is ahead of
+dequantize + GEMM up to 128 rows (by 4.7x at 16, 1.3x at 128) and about even at 512
+(`benchmarks/quant_gemm.py`)."""
 
 QUANTIZATIONS = ("int8",)
 """Weight-only quantizations of a float checkpoint at load (`quantization=`)."""
@@ -69,6 +76,8 @@ class QuantWeight:
     m: torch.Tensor | None  # float16 [n, k / 32], or None (symmetric)
     n: int
     k: int
+    interleaved: bool = False
+    """Whole groups of 8 blocks in the kernel's interleaved order (see `interleave`); else GGUF order."""
 
     def __post_init__(self) -> None:
         if self.fmt not in _FMT_CODE:
@@ -88,12 +97,48 @@ class QuantWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.d, self.m) if t is not None)
 
-    def values(self) -> torch.Tensor:
-        """The q values [n, k] as float32 (unscaled)."""
+    @property
+    def _grouped(self) -> int:
+        """Elements of a row in whole groups of GROUP blocks (interleaved when `interleaved`)."""
+        return self.k // (GROUP * BLOCK) * GROUP * BLOCK
+
+    def _ints(self) -> torch.Tensor:
+        """The q values [n, k] in element order: int8 (q8) or uint8 0..15 (q4)."""
+        g = self._grouped if self.interleaved else 0
         if self.fmt == Q8:
-            return self.q.view(torch.int8).float()
-        blocks = self.q.reshape(self.n, -1, BLOCK // 2)
-        return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).reshape(self.n, self.k).float()
+            q = self.q.view(torch.int8)
+            if g == 0:
+                return q
+            head = q[:, :g].reshape(self.n, -1, GROUP * BLOCK)[..., _ELEM_TO_POS].reshape(self.n, g)
+            return torch.cat((head, q[:, g:]), dim=1)
+        tail = self.q[:, g // 2 :].reshape(self.n, -1, BLOCK // 2)
+        tail = torch.cat((tail & 0x0F, tail >> 4), dim=-1).reshape(self.n, -1)
+        if g == 0:
+            return tail
+        head = self.q[:, : g // 2].reshape(self.n, -1, GROUP * BLOCK // 2)
+        head = torch.cat((head & 0x0F, head >> 4), dim=-1)[..., _ELEM_TO_POS].reshape(self.n, g)
+        return torch.cat((head, tail), dim=1)
+
+    def values(self) -> torch.Tensor:
+        """The q values [n, k] as float32 (unscaled), in element order."""
+        return self._ints().float()
+
+    def interleave(self) -> QuantWeight:
+        """The same values with whole groups of 8 blocks in the kernel's order (csrc/quant_gemm.c):
+        position p = 16 t + 2 j + e of a group holds element 2 t + e of block j; q4 keeps positions
+        0..127 of a group in the low nibbles of its 128 bytes and 128..255 in the high ones."""
+        g = self._grouped
+        if self.interleaved or g == 0:
+            return dataclasses.replace(self, interleaved=True)
+        ints = self._ints()
+        head = ints[:, :g].reshape(self.n, -1, GROUP * BLOCK)[..., _POS_TO_ELEM]
+        if self.fmt == Q8:
+            q = torch.cat((head.reshape(self.n, g).view(torch.uint8), self.q[:, g:]), dim=1)
+        else:
+            half = GROUP * BLOCK // 2
+            packed = head[..., :half] | (head[..., half:] << 4)
+            q = torch.cat((packed.reshape(self.n, g // 2), self.q[:, g // 2 :]), dim=1)
+        return dataclasses.replace(self, q=q.contiguous(), interleaved=True)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [n, k] in `dtype` (float32 math: d q + m, then cast), with the native kernel where it runs."""
@@ -106,22 +151,27 @@ class QuantWeight:
         return w.reshape(self.n, self.k).to(dtype)
 
     def as_q8(self) -> QuantWeight:
-        """The same values in the q8 layout (exact)."""
+        """The same values in the q8 format (exact), in the same layout."""
         if self.fmt == Q8:
             return self
-        q = self.values().to(torch.int8).view(torch.uint8)
-        return QuantWeight(Q8, q, self.d, self.m, self.n, self.k)
+        q = self._ints().to(torch.int8).view(torch.uint8).contiguous()
+        canonical = QuantWeight(Q8, q, self.d, self.m, self.n, self.k)
+        return canonical.interleave() if self.interleaved else canonical
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The weight rows `index` (a permutation or selection of output features)."""
         m = self.m[index] if self.m is not None else None
-        return QuantWeight(self.fmt, self.q[index].contiguous(), self.d[index].contiguous(), m, len(index), self.k)
+        return QuantWeight(
+            self.fmt, self.q[index].contiguous(), self.d[index].contiguous(), m, len(index), self.k, self.interleaved
+        )
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
         """Stack weights of the same in_features along the output rows (a fused projection)."""
         if len({p.k for p in parts}) != 1:
             raise ValueError("fused quantized weights need the same in_features")
+        if len({p.interleaved for p in parts}) != 1:
+            raise ValueError("fused quantized weights need the same layout")
         if len({p.fmt for p in parts}) > 1:
             parts = [p.as_q8() for p in parts]
         ms = None
@@ -199,7 +249,7 @@ def from_gguf(type_name: str, blocks: torch.Tensor, n: int, k: int) -> QuantWeig
 
 def _native_dequantize(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor | None:
     lib = native.quant_linear_lib()
-    if lib is None or dtype not in _X_KIND:
+    if lib is None or dtype not in _X_KIND or not w.interleaved:  # the kernel reads the interleaved layout
         return None
     out = torch.empty((w.n, w.k), dtype=dtype)
     rc = lib.kvt_quant_dequant(
@@ -225,14 +275,17 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, *, dtype: torch.dtype) -> None:
         super().__init__()
-        if ACTIVATIONS not in _X_MODE:  # checked when a model loads, not at its first step
+        activations = os.environ.get(ACTIVATIONS_ENV, "int16")
+        if activations != "int16":  # checked when a model loads, not at its first step
             raise ValueError(
-                f"KVTIER_QUANT_ACTIVATIONS={ACTIVATIONS!r}: expected one of {', '.join(_X_MODE)} "
-                "(how the quantized-weight kernel meets x)"
+                f"{ACTIVATIONS_ENV}={activations!r}: the quantized-weight kernel meets x as int16 blocks "
+                "only (exact integer products; float and int8 were removed: int16 was faster than both and "
+                "as accurate as float); for float32 x serve dense weights (quantization='none')"
             )
+        weight = weight.interleave()
         self.in_features, self.out_features = weight.k, weight.n
         self.fmt = weight.fmt
-        self.register_buffer("q", weight.q)
+        self.register_buffer("q", weight.q)  # interleaved
         self.register_buffer("d", weight.d)
         self.register_buffer("m", weight.m)
         self.bias = nn.Parameter(bias.to(dtype), requires_grad=False) if bias is not None else None
@@ -242,7 +295,7 @@ class QuantLinear(nn.Module):
 
     @property
     def weight_q(self) -> QuantWeight:
-        return QuantWeight(self.fmt, self.q, self.d, self.m, self.out_features, self.in_features)
+        return QuantWeight(self.fmt, self.q, self.d, self.m, self.out_features, self.in_features, interleaved=True)
 
     @property
     def nbytes(self) -> int:
@@ -283,7 +336,6 @@ class QuantLinear(nn.Module):
             rows,
             x.stride(0),
             _X_KIND[x.dtype],
-            _X_MODE[ACTIVATIONS],
             *self._args,
             out.data_ptr(),
             self.out_features,

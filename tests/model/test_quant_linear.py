@@ -68,41 +68,41 @@ def make_weight(fmt: str, n: int, k: int, affine: bool, seed: int = 0) -> QuantW
 
 @pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q8, True), (Q4, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, dtype, monkeypatch):
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
-    n, k = 72, 96
+@pytest.mark.parametrize("k", [96, 320])  # 3 blocks: no whole group; 10: one interleaved group and a tail
+def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, dtype, k):
+    n = 72
     w = make_weight(fmt, n, k, affine)
     bias = torch.randn(n)
     layer = QuantLinear(w, bias, dtype=dtype)
     dense = w.dequantize(torch.float64)
-    for rows in (1, 2, 3, 4, 5, 9, quant_linear.KERNEL_MAX_ROWS, quant_linear.KERNEL_MAX_ROWS + 3):
+    for rows in (1, 2, 3, 4, 5, 9, 16, 23, quant_linear.KERNEL_MAX_ROWS, quant_linear.KERNEL_MAX_ROWS + 3):
         x = torch.randn(rows, k).to(dtype)
         want = F.linear(x.double(), dense, layer.bias.double())
         got = layer(x)
         assert got.dtype == dtype and got.shape == (rows, n)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: one rounding of the output
+        # float32: x's int16 rounding (a relative 3e-5 per block); bfloat16: one rounding of the output
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * float(want.abs().max()))
         with native.disabled("quant_gemm"):  # the torch path: the same weights
             torch.testing.assert_close(layer(x).double(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
-@pytest.mark.parametrize("mode,bound", [("int16", 1e-4), ("int8", 1e-2)])
-def test_integer_activations_stay_within_their_rounding(fmt, affine, mode, bound, monkeypatch):
-    """x quantized per block of 32 to int16 (the default) or int8 (llama.cpp's way): the error is
-    x's rounding, about 1/65534 or 1/254 of each block's largest value, not a wrong product, on
-    every path of the kernel (1, 4, 7, 8 and 16 rows)."""
+def test_integer_activations_stay_within_their_rounding(fmt, affine):
+    """x quantized per block of 32 to int16: the error is x's rounding, about 1/65534 of each
+    block's largest value, not a wrong product, on every path of the kernel (tiles of 8, 4, 2 and 1
+    rows and their mixes)."""
     if native.quant_linear_lib() is None:
         pytest.skip("no native quantized kernel on this machine (AVX2, FMA and F16C)")
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", mode)
+    bound = 1e-4
     g = torch.Generator().manual_seed(6)
-    # n not a multiple of the kernel's chunk of 32 rows; k of 3, 8 and 10 blocks (the int16 row
-    # forms its scales 8 blocks at a time, with a tail)
-    for n, k in ((70, 256), (40, 96), (33, 320)):
+    # n not a multiple of the kernel's chunk of 32 rows; k of 3, 8, 10 and 18 blocks (groups of 8
+    # interleaved blocks, with and without a tail)
+    for n, k in ((70, 256), (40, 96), (33, 320), (9, 576)):
         w = make_weight(fmt, n, k, affine, seed=5)
         layer = QuantLinear(w, None, dtype=torch.float32)
         dense = w.dequantize()
-        for rows in (1, 4, 7, 8, 16):
+        for rows in (1, 2, 3, 4, 7, 8, 15, 16):
             x = torch.randn(rows, k, generator=g)
             got, want = layer(x), x @ dense.T
             rel = float((got - want).norm() / want.norm())
@@ -148,8 +148,7 @@ def write_quantized_gguf(hf_dir, out, matrix_type):
 
 
 @pytest.mark.parametrize("matrix_type", ["Q4_0", "Q8_0", "Q5_1"])
-def test_a_quantized_gguf_file_is_served_from_its_blocks(matrix_type, tiny_model_dirs, tmp_path, monkeypatch):
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+def test_a_quantized_gguf_file_is_served_from_its_blocks(matrix_type, tiny_model_dirs, tmp_path):
     path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / f"m-{matrix_type}.gguf", matrix_type)
     kw = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16)
     quantized = ModelRunner(path, **kw)  # the default for a GGUF file on CPU
@@ -160,13 +159,13 @@ def test_a_quantized_gguf_file_is_served_from_its_blocks(matrix_type, tiny_model
     assert not any(isinstance(m, QuantLinear) for m in dense.model.modules())
     ids = [(13 * i + 7) % 500 for i in range(11)]
     a, b = last_logits(quantized, ids), last_logits(dense, ids)
-    torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # the same weights; x meets them as int16 in the decode kernel (a relative 3e-5 per block)
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-3 * float(b.abs().max()))
     # other weights compute other KV: the two never share stored KV
     assert quantized.fingerprint != dense.fingerprint
 
 
-def test_int8_quantization_of_a_float_checkpoint(tiny_model_dirs, monkeypatch):
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+def test_int8_quantization_of_a_float_checkpoint(tiny_model_dirs):
     hf_dir = tiny_model_dirs["qwen2"]  # biases on q/k/v: they stay float
     kw = dict(dtype="float32", device="cpu", block_size=4, num_blocks=16)
     q8 = ModelRunner(hf_dir, quantization="int8", **kw)
@@ -200,9 +199,32 @@ def test_bad_quantization_choices_are_clear_errors(tiny_model_dirs):
 
 
 def test_an_unknown_activation_mode_is_a_clear_error_at_load(monkeypatch):
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "int4")
-    with pytest.raises(ValueError, match="KVTIER_QUANT_ACTIVATIONS='int4': expected one of float, int8, int16"):
-        QuantLinear(make_weight(Q8, 8, 32, False), dtype=torch.float32)
+    for value in ("int4", "float", "int8"):
+        monkeypatch.setenv("KVTIER_QUANT_ACTIVATIONS", value)
+        with pytest.raises(ValueError, match=f"KVTIER_QUANT_ACTIVATIONS='{value}': .* int16 blocks only"):
+            QuantLinear(make_weight(Q8, 8, 32, False), dtype=torch.float32)
+    monkeypatch.setenv("KVTIER_QUANT_ACTIVATIONS", "int16")
+    QuantLinear(make_weight(Q8, 8, 32, False), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
+def test_the_interleaved_layout_holds_the_same_values(fmt, affine):
+    """QuantLinear keeps its weight interleaved (groups of 8 blocks in the kernel's order, the
+    tail blocks as they were): the values, their q8 form and the native dequantization are the
+    file's, for rows with no whole group, one group and a tail, and only whole groups."""
+    for k in (96, 320, 512):
+        w = make_weight(fmt, 5, k, affine, seed=k)
+        inter = w.interleave()
+        assert inter.interleaved and inter.interleave() is not inter  # idempotent, a new view
+        assert inter.nbytes == w.nbytes
+        assert torch.equal(inter.values(), w.values())
+        assert torch.equal(inter.as_q8().values(), w.values()) and inter.as_q8().interleaved
+        assert torch.equal(inter.dequantize(), w.dequantize())  # native where it runs, torch otherwise
+        with native.disabled("quant_gemm"):
+            assert torch.equal(inter.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16))
+        assert torch.equal(inter.rows(torch.tensor([3, 1])).values(), w.values()[[3, 1]])
+        if k >= 256 and fmt == Q8:  # the layout moved bytes (q4: nibbles)
+            assert not torch.equal(inter.q, w.q)
 
 
 def test_the_fused_float32_layer_ops_match_their_torch_twins():
@@ -235,11 +257,10 @@ def test_the_fused_float32_layer_ops_match_their_torch_twins():
         torch.testing.assert_close(layer_ops.silu_mul_f32(gate_up, 64), want_act, rtol=1e-6, atol=1e-6)
 
 
-def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model_dirs, tmp_path, monkeypatch):
+def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model_dirs, tmp_path):
     """A model with quantized weights decodes with csrc/decode_attention_f32.c (paged, GQA, several
     sequences of different lengths) and the fused float32 layer ops: the logits of the torch ops
-    (x float32 in the projections, so that the two differ only by these ops)."""
-    monkeypatch.setattr(quant_linear, "ACTIVATIONS", "float")
+    to float32 rounding (which x's int16 rounding in the projections carries on now and then)."""
     path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q8_0")
     if native.decode_attention_f32_lib() is None:
         pytest.skip("no C compiler here")
@@ -257,4 +278,94 @@ def test_decode_steps_on_the_float32_native_paths_match_the_torch_ops(tiny_model
     native_logits = decode_logits()
     with native.disabled("decode_attention_f32", "layer_ops_f32"):
         torch_logits = decode_logits()
-    torch.testing.assert_close(native_logits, torch_logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(native_logits, torch_logits, rtol=0, atol=1e-3 * float(torch_logits.abs().max()))
+
+
+def _decode_batches(runner: ModelRunner, steps: int = 3) -> list[torch.Tensor]:
+    """Three sequences of different lengths (some across block boundaries) prefilled, then `steps`
+    decode steps of all three at once: the logits of each step."""
+    seqs = [[(5 * i + 3 * j) % 500 for i in range(n)] for j, n in enumerate((9, 14, 3))]
+    tables = [list(range(8 * j, 8 * j + 8)) for j in range(3)]
+    for j, s in enumerate(seqs):
+        runner.execute(SchedulerOutput(seqs=[ScheduledSeq(f"s{j}", s[:-1], 0, tables[j], False)]))
+    out = []
+    for step in range(steps):
+        batch = [ScheduledSeq(f"s{j}", [s[-1]], len(s) - 1, tables[j], True) for j, s in enumerate(seqs)]
+        logits = runner.execute(SchedulerOutput(seqs=batch))
+        out.append(logits)
+        for j, s in enumerate(seqs):
+            s.append((int(logits[j].argmax()) + step) % 500)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_decode_step_in_one_native_call_equals_the_per_op_path(family, tiny_model_dirs, tmp_path, monkeypatch):
+    """csrc/decode_model_f32.c runs every layer of a decode step with the kernels the per-op path
+    calls, in the same order: the same logits bit for bit where both attend with
+    csrc/decode_attention_f32.c (qwen2: q/k/v biases, int8 weights quantized at load)."""
+    from kvtier.model.fused_decode import FusedDecode
+
+    if family == "llama":
+        path, kw = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q4_1"), {}
+    else:
+        path, kw = tiny_model_dirs["qwen2"], {"quantization": "int8"}
+    if native.decode_model_f32_lib() is None:
+        pytest.skip("no C compiler or no AVX2/FMA/F16C here")
+    calls = []
+    real_call = FusedDecode.__call__
+
+    def spy(self, *args):
+        out = real_call(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "__call__", spy)
+
+    def run() -> list[torch.Tensor]:
+        runner = ModelRunner(path, dtype="float32", device="cpu", block_size=4, num_blocks=32, **kw)
+        assert isinstance(runner.model.fused_decode, FusedDecode)
+        return _decode_batches(runner)
+
+    with native.disabled("paged_attention"):  # both sides attend with decode_attention_f32.c
+        fused = run()
+        assert calls == [True] * 3
+        with native.disabled("decode_model_f32"):
+            per_op = run()
+    assert calls == [True] * 3 + [False] * 3  # the second run's calls fell back
+    for a, b in zip(fused, per_op, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # and beside the AVX-512 attention of the per-op path, where the CPU has it: float32 rounding
+    # (which x's int16 rounding carries on to a neighbouring step now and then)
+    tol = 1e-3 * float(per_op[0].abs().max())
+    with native.disabled("decode_model_f32"):
+        per_op_avx512 = run() if native.paged_attention_lib() is not None else per_op
+    for a, b in zip(fused, per_op_avx512, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+def test_the_fused_decode_step_applies_only_where_it_computes_the_same(tiny_model_dirs, tmp_path, monkeypatch):
+    """Not for a model with per-head q/k norms (Qwen3), dense weights or a quantized KV pool; an
+    out-of-pool block id is an IndexError, as on the per-op path."""
+    from kvtier.model.fused_decode import FusedDecode
+
+    if native.decode_model_f32_lib() is None:
+        pytest.skip("no C compiler or no AVX2/FMA/F16C here")
+    calls = []
+    real_call = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__", lambda self, *a: calls.append(real_call(self, *a)) or calls[-1])
+    kw = dict(dtype="float32", device="cpu", block_size=4, num_blocks=32)
+    assert ModelRunner(tiny_model_dirs["qwen3"], quantization="int8", **kw).model.fused_decode is None
+    assert ModelRunner(tiny_model_dirs["llama"], **kw).model.fused_decode is None  # dense float32
+    path = write_quantized_gguf(tiny_model_dirs["llama"], tmp_path / "m.gguf", "Q8_0")
+    fp8 = ModelRunner(path, kv_cache_dtype="fp8_e4m3", **kw)
+    assert isinstance(fp8.model.fused_decode, FusedDecode)
+    plain = ModelRunner(path, **kw)
+    a = _decode_batches(fp8, steps=1)[0]
+    assert calls == [None]  # the fp8 pool: the per-op path
+    b = _decode_batches(plain, steps=1)[0]
+    assert len(calls) == 2 and calls[1] is not None
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    runner = ModelRunner(path, **kw)
+    runner.execute(SchedulerOutput(seqs=[ScheduledSeq("a", [1, 2, 3], 0, [0], False)]))
+    with pytest.raises(IndexError, match="outside the pool"):
+        runner.execute(SchedulerOutput(seqs=[ScheduledSeq("a", [4], 3, [40], True)]))

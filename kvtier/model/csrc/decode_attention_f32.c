@@ -18,7 +18,9 @@
 
 #include "kv_common.h"
 
+#ifndef KVT_UNITY /* decode_model_f32.c includes this file */
 int kvt_abi_version(void) { return 1; }
+#endif
 
 #define MAX_GROUP 16
 #define MAX_DIM 256

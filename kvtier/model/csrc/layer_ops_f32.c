@@ -14,7 +14,9 @@
 
 #include "kv_common.h"
 
+#ifndef KVT_UNITY /* decode_model_f32.c includes this file */
 int kvt_abi_version(void) { return 1; }
+#endif
 
 int kvt_has_layer_ops_f32(void) { return 1; }
 
