@@ -41,6 +41,7 @@ WORKLOADS = [
     "throughput_64x512",
     "pressure",
     "decode",
+    "restore_decode",
     "long_context",
     "long_throughput",
 ]
@@ -220,6 +221,32 @@ def run(args) -> dict:
             "context": 1024,
             "max_tokens": 128,
             "kv_cache_dtype": args.kv_cache_dtype,
+        }
+    elif wl == "restore_decode":
+        # decode right after the prompts come back from below the device pool (kvtier's connector:
+        # restored from its tiers; vLLM alone: recomputed), against decode with the prompts in the
+        # device prefix cache. Each rate: tokens 2..17 of 16 streams, (t(17) - t(1)) / 16 steps.
+        prompts = [W.tokens(2000 + i, 1024) for i in range(16)]
+        timed(prompts, 4)  # computed once: kvtier's connector stores them in its tiers
+        after, steady, restored = [], [], []
+        for _ in range(R):
+            llm.reset_prefix_cache()
+            first, outs = timed(prompts, 1)
+            restored.append(sum(o.num_cached_tokens for o in outs))
+            llm.reset_prefix_cache()
+            full, _ = timed(prompts, 17)
+            after.append((full - first) / 16)
+            first_c, _ = timed(prompts, 1)  # now in the device cache
+            full_c, _ = timed(prompts, 17)
+            steady.append((full_c - first_c) / 16)
+        res = {
+            "itl_after_restore_ms": statistics.median(after) * 1e3,
+            "itl_steady_ms": statistics.median(steady) * 1e3,
+            "runs_after_ms": [x * 1e3 for x in after],
+            "runs_steady_ms": [x * 1e3 for x in steady],
+            "cached_tokens_after_reset": restored,
+            "num_seqs": 16,
+            "context": 1024,
         }
     else:
         raise ValueError(wl)

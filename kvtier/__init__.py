@@ -22,6 +22,7 @@ _EXPORTS = {
     "CompletionOutput": "kvtier.outputs",
     "RequestMetrics": "kvtier.outputs",
     "Logprob": "kvtier.outputs",
+    "LoRARequest": "kvtier.lora",
 }
 __all__ = list(_EXPORTS)
 

@@ -58,8 +58,12 @@ class CacheConfig:
     """'lru' or 'lfu'."""
     memory_fraction: float | None = None
     """Without num_device_blocks / kv_cache_bytes: the share of the device memory available after
-    the weights that the pool takes (vLLM's gpu_memory_utilization; default 0.25, capped at 4 GiB
-    only when not given)."""
+    the weights that the pool takes (kvtier's kv_cache_memory_fraction; default 0.25, capped at
+    4 GiB only when not given)."""
+    memory_utilization: float | None = None
+    """vLLM's gpu_memory_utilization: the share of the machine's (device's) total memory this
+    instance may use, weights included; the pool takes what the weights and a working reserve
+    leave of it, checked against the memory available at start."""
     kv_cache_dtype: str = "auto"
     """How cached tokens are stored, on the device and in every tier: 'auto' (the model dtype),
     'bfloat16', 'float16', 'float32', 'fp8_e4m3', 'fp8_e5m2' or 'int8' (1 byte, per-block scales)."""
@@ -74,7 +78,15 @@ class CacheConfig:
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError("kv_cache_bytes must be >= 1")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.memory_fraction}")
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        given = [self.num_device_blocks, self.kv_cache_bytes, self.memory_fraction, self.memory_utilization]
+        if sum(v is not None for v in given) > 1:
+            raise ValueError(
+                "size the KV pool one way: num_device_blocks, kv_cache_bytes, kv_cache_memory_fraction "
+                "or gpu_memory_utilization"
+            )
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import CacheConfig, DriftConfig, EngineConfig, ModelConfig
 from kvtier.engine.core import EngineCore
+from kvtier.lora import LoRARequest
 from kvtier.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.scheduler import SchedulerConfig
 from kvtier.tiers.hierarchy import TierConfig
 
 PromptType = str | list[int] | dict[str, Any]
+_log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -23,8 +26,16 @@ class LLM:
     a default share of memory). `seed` seeds requests that do not carry their own.
     `kv_drift_sample_rate`: the fraction of requests re-computed with full-precision KV after
     they finish, to measure what the KV dtype costs (`engine.drift.stats`; kvtier.engine.drift).
-    `gpu_memory_utilization` (vLLM's name): without a pool size, the share of the memory
-    available after the weights that the KV pool takes (default 0.25, at most 4 GiB).
+    `model` (and `tokenizer`) as vLLM takes them: a directory, a .gguf file, or a hub id found
+    in the local Hugging Face cache (`revision`, `download_dir`; kvtier never downloads).
+    `gpu_memory_utilization` (vLLM's meaning): the share of the machine's memory this instance
+    may use, weights included; the KV pool gets what the weights leave of it, checked against
+    the memory available at start. `kv_cache_memory_fraction` (kvtier's): without a pool size,
+    the share of the memory available after the weights that the KV pool takes (default 0.25,
+    at most 4 GiB when neither is given). `kv_cache_memory_bytes` is vLLM's name for
+    `kv_cache_bytes`. Other vLLM arguments (`tensor_parallel_size=1`, `trust_remote_code`,
+    `enforce_eager`, ...) are accepted where they cannot matter here and refused otherwise
+    (kvtier.vllm_flags); `override_generation_config` overrides the sampling defaults.
     `generation_config`: 'auto' (default) takes sampling defaults from the checkpoint's
     generation_config.json, 'vllm' ignores it, or a directory holding one (vLLM's meaning).
     `kv_cache_dtype` stores cached tokens as 'auto' (the model dtype), 'bfloat16', 'float16',
@@ -36,6 +47,9 @@ class LLM:
     is used before it is re-read (a purge made elsewhere reaches this engine within it).
     `kv_events_config`: vLLM's KVEventsConfig (a kvtier.kv_events.KVEventsConfig, a dict or a
     JSON object): publish what the caches hold as vLLM-format KV events for KV-aware routers.
+    `enable_lora` (vLLM's names): serve PEFT LoRA adapters named per request (`lora_request=`,
+    kvtier.lora), at most `max_loras` distinct ones per step, of rank up to `max_lora_rank`, the
+    `max_cpu_loras` most recently used kept loaded (default: max_loras).
     """
 
     def __init__(
@@ -76,9 +90,37 @@ class LLM:
         num_threads: int | None = None,
         generation_config: str = "auto",
         gpu_memory_utilization: float | None = None,
+        kv_cache_memory_fraction: float | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        override_generation_config: dict[str, Any] | None = None,
         kv_events_config: Any = None,
+        enable_lora: bool = False,
+        max_loras: int = 1,
+        max_lora_rank: int = 16,
+        max_cpu_loras: int | None = None,
+        **kwargs: Any,
     ) -> None:
         from kvtier.kv_events import KVEventsConfig
+        from kvtier.model.resolve import resolve_model
+        from kvtier.vllm_flags import check_llm_kwargs
+
+        for note in check_llm_kwargs(kwargs):  # vLLM's names: no-ops logged, the rest refused
+            _log.info("%s", note)
+        if kv_cache_memory_bytes is not None:
+            if kv_cache_bytes is not None and kv_cache_bytes != kv_cache_memory_bytes:
+                raise ValueError("kv_cache_memory_bytes is vLLM's name for kv_cache_bytes: give one")
+            kv_cache_bytes = kv_cache_memory_bytes
+        if gpu_memory_utilization is not None and kv_cache_memory_fraction is not None:
+            raise ValueError(
+                "gpu_memory_utilization (vLLM's: the machine's share, weights included) and "
+                "kv_cache_memory_fraction (kvtier's: the free memory's share for KV) exclude each other"
+            )
+        self.model_name = str(model)
+        model = resolve_model(str(model), revision, download_dir)
+        if tokenizer is not None:
+            tokenizer = resolve_model(tokenizer, None, download_dir)
 
         config = EngineConfig(
             model=ModelConfig(
@@ -99,7 +141,8 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
                 eviction_policy=eviction_policy,
                 kv_cache_dtype=kv_cache_dtype,
-                memory_fraction=gpu_memory_utilization,
+                memory_fraction=kv_cache_memory_fraction,
+                memory_utilization=gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,
@@ -132,12 +175,17 @@ class LLM:
             tok_dir = Path(tokenizer or model)
             if has_tokenizer(tok_dir):
                 tok = Tokenizer(tok_dir)
-        self.engine = EngineCore(config, tokenizer=tok)
+        lora_config = None
+        if enable_lora:
+            from kvtier.lora import LoRAConfig
+
+            lora_config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras)
+        self.engine = EngineCore(config, tokenizer=tok, lora_config=lora_config)
         self.tokenizer = tok
         self.config = config
         from kvtier.sampling_params import generation_defaults
 
-        self._sampling_defaults = generation_defaults(str(model), generation_config)
+        self._sampling_defaults = generation_defaults(str(model), generation_config, override_generation_config)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (temperature,
@@ -179,22 +227,29 @@ class LLM:
         cache_salt: str | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order.
 
         A prompt is a string, a list of token ids, or a dict with `prompt` or
-        `prompt_token_ids` (and optionally its own `cache_salt`).
+        `prompt_token_ids` (and optionally its own `cache_salt`). `lora_request`: the LoRA
+        adapter for every prompt, or a list with one (or None) per prompt (needs enable_lora).
         """
         items = _as_list(prompts)
         params = _broadcast(sampling_params or self.get_default_sampling_params(), len(items), "sampling_params")
         prios = list(priority) if priority is not None else [0] * len(items)
         if len(prios) != len(items):
             raise ValueError(f"got {len(prios)} priorities for {len(items)} prompts")
+        loras = _broadcast(lora_request, len(items), "lora_request")
         prepared = [self._prepare(p, cache_salt) for p in items]  # validate all before adding any
         ids: list[str] = []
         try:
-            for (text, token_ids, salt), sp, prio in zip(prepared, params, prios):
-                ids.append(self.engine.add_request(token_ids, sp, cache_salt=salt, priority=prio, prompt=text))
+            for (text, token_ids, salt), sp, prio, lora in zip(prepared, params, prios, loras):
+                ids.append(
+                    self.engine.add_request(
+                        token_ids, sp, cache_salt=salt, priority=prio, prompt=text, lora_request=lora
+                    )
+                )
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -209,8 +264,10 @@ class LLM:
         cache_salt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
+        """Apply the model's chat template to one conversation or a list of them; `lora_request`
+        as for `generate` (one per conversation in a list)."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer; this model directory has no tokenizer.json")
         if not isinstance(messages, list) or not messages:
@@ -222,7 +279,9 @@ class LLM:
             {"prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt, **(chat_template_kwargs or {}))}
             for c in convs
         ]
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm)
+        return self.generate(
+            prompts, sampling_params, cache_salt=cache_salt, use_tqdm=use_tqdm, lora_request=lora_request
+        )
 
     def get_tokenizer(self) -> Any:
         """The tokenizer (kvtier.model.tokenizer.Tokenizer: `encode`, `decode`,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.lora import LoRARequest
 
 
 class Logprob(float):
@@ -100,3 +104,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     """With SamplingParams.prompt_logprobs: per prompt position, the log-probability of the
     prompt's token there (and the top-k), None at position 0 (nothing predicts it)."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter the request ran with (None: the base model), as vLLM's."""

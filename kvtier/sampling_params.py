@@ -210,11 +210,30 @@ GENERATION_CONFIG_KEYS = {
 """generation_config.json keys vLLM takes as sampling defaults -> SamplingParams fields."""
 
 
-def generation_defaults(model: str, generation_config: str = "auto") -> dict[str, Any]:
+def generation_defaults(
+    model: str, generation_config: str = "auto", override: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The sampling defaults a checkpoint's generation_config.json sets, as vLLM applies them
     (`--generation-config`): 'auto' reads the model directory's file, 'vllm' uses none (the
     library defaults), any other value is a directory holding generation_config.json. A
-    request's own values win; these fill what it leaves out."""
+    request's own values win; these fill what it leaves out. `override` (vLLM's
+    --override-generation-config) sets or replaces some of them, by generation_config.json key
+    (max_new_tokens) or SamplingParams field (max_tokens)."""
+    defaults = _file_generation_defaults(model, generation_config)
+    for key, value in (override or {}).items():
+        field = GENERATION_CONFIG_KEYS.get(key, key)
+        if field not in GENERATION_CONFIG_KEYS.values():
+            known = ", ".join(GENERATION_CONFIG_KEYS)
+            raise ValueError(f"override_generation_config: unknown key {key!r} (known: {known})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"override_generation_config: {key} must be a number, got {value!r}")
+        defaults[field] = value
+    if defaults:
+        SamplingParams(**defaults)  # a bad value fails at start, not on the first request
+    return defaults
+
+
+def _file_generation_defaults(model: str, generation_config: str) -> dict[str, Any]:
     import json
     from pathlib import Path
 

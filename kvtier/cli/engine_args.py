@@ -17,6 +17,7 @@ from kvtier.model.kv_names import KV_CACHE_DTYPES  # torch-free: flags are check
 # torch-free too (tests/test_boundaries.py checks it): `kvtier --help` and flag errors do not wait for torch
 from kvtier.tiers.hierarchy import TIER_ORDER as TIERS
 from kvtier.tiers.hierarchy import WRITE_POLICIES
+from kvtier.vllm_flags import add_vllm_flags, max_model_len
 
 __all__ = ["DTYPES", "ENGINE_KEYS", "KV_CACHE_DTYPES", "TIER_KEYS", "add_engine_args", "engine_kwargs"]
 
@@ -89,6 +90,17 @@ def _kv_dtype(text: str) -> str:
 QUANTIZATION_CHOICES = ("gguf", "int8", "none")
 
 
+def _quantization(text: str) -> str:
+    value = text.strip().lower()
+    if value not in QUANTIZATION_CHOICES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not supported: kvtier quantizes weights itself (gguf: a GGUF file's own "
+            "blocks; int8: weight-only at load; none); for a checkpoint quantized with another "
+            "method, serve its unquantized checkpoint with --quantization int8"
+        )
+    return value
+
+
 def add_engine_args(
     parser: argparse.ArgumentParser, *, dtype_help: str = "default: auto, the checkpoint's dtype"
 ) -> None:
@@ -105,7 +117,8 @@ def add_engine_args(
     e.add_argument(
         "--quantization",
         "-q",
-        choices=QUANTIZATION_CHOICES,
+        type=_quantization,
+        metavar="{" + ",".join(QUANTIZATION_CHOICES) + "}",
         default=None,
         help="how the projections hold their weights: gguf (a GGUF file's quantized blocks, the "
         "default for a GGUF on CPU), int8 (8-bit weight-only, quantized at load), none (the model "
@@ -123,27 +136,56 @@ def add_engine_args(
     )
     e.add_argument(
         "--max-model-len",
-        type=positive_int,
+        type=max_model_len,
         default=None,
         metavar="N",
-        help="context length in tokens, prompt and output (default: the checkpoint's)",
+        help="context length in tokens, prompt and output: 4096, 4k (4000), 4K (4096), or auto / -1 "
+        "(default: the checkpoint's)",
+    )
+    e.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR|HUB_ID",
+        help="the tokenizer's directory (or a cached hub id), when not the model's",
+    )
+    e.add_argument(
+        "--revision",
+        default=None,
+        metavar="REV",
+        help="with a hub id: the branch, tag or commit of the cached snapshot to serve (default main)",
+    )
+    e.add_argument(
+        "--download-dir",
+        default=None,
+        metavar="DIR",
+        help="the Hugging Face cache holding hub ids (default HF_HUB_CACHE, HF_HOME/hub or "
+        "~/.cache/huggingface/hub); kvtier never downloads",
     )
     pool = e.add_mutually_exclusive_group()
     pool.add_argument("--num-device-blocks", type=positive_int, default=None, help="blocks in the device KV pool")
     pool.add_argument(
         "--kv-cache-bytes",
+        "--kv-cache-memory-bytes",
         type=size,
         default=None,
         metavar="SIZE",
-        help="bytes of the device KV pool, e.g. 2GiB (default: a share of free memory)",
+        help="bytes of the device KV pool, e.g. 2GiB (vLLM's --kv-cache-memory-bytes; default: a share of free memory)",
     )
     pool.add_argument(
         "--gpu-memory-utilization",
         type=fraction,
         default=None,
         metavar="FRACTION",
+        help="vLLM's meaning: the share of the machine's memory this instance may use, weights "
+        "included; the KV pool takes the rest, capped to the memory available at start",
+    )
+    pool.add_argument(
+        "--kv-cache-memory-fraction",
+        type=fraction,
+        default=None,
+        metavar="FRACTION",
         help="the share of the memory available after the weights that the KV pool takes "
-        "(vLLM's name; default 0.25, at most 4GiB)",
+        "(default 0.25, at most 4GiB when no pool size is given)",
     )
     e.add_argument(
         "--kv-events-config",
@@ -173,6 +215,23 @@ def add_engine_args(
         action="store_true",
         default=None,
         help="reuse KV across requests (the default)",
+    )
+    e.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="split long prompts across steps, within --max-num-batched-tokens (default on)",
+    )
+    e.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve PEFT LoRA adapters (--lora-modules, or named per request), as vLLM",
+    )
+    e.add_argument("--max-loras", type=positive_int, default=None, help="distinct adapters per step (default 1)")
+    e.add_argument("--max-lora-rank", type=positive_int, default=None, help="the largest adapter rank (default 16)")
+    e.add_argument(
+        "--max-cpu-loras", type=positive_int, default=None, help="adapters kept loaded (default: --max-loras)"
     )
     e.add_argument("--eviction-policy", choices=("lru", "lfu"), default=None, help="device prefix cache (default lru)")
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None, help="default fcfs")
@@ -270,6 +329,7 @@ def add_engine_args(
         metavar="DIR",
         help="encrypt disk and remote KV at rest with per-tenant AES-256-GCM keys kept in DIR",
     )
+    add_vllm_flags(parser)
 
 
 ENGINE_KEYS = (
@@ -291,6 +351,15 @@ ENGINE_KEYS = (
     "cpu_threads_bind",
     "num_threads",
     "gpu_memory_utilization",
+    "kv_cache_memory_fraction",
+    "enable_chunked_prefill",
+    "tokenizer",
+    "revision",
+    "download_dir",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
 )
 TIER_KEYS = (
     "host_cache_bytes",
@@ -333,6 +402,9 @@ def engine_kwargs(args: argparse.Namespace, parser: argparse.ArgumentParser | No
     for key in ("remote_ttl_s", "remote_timeout_s"):
         if key in kw and "remote_cache_url" not in kw:
             fail(f"argument --{key.replace('_', '-')}: needs --remote-cache-url")
+    lora = [k for k in ("max_loras", "max_lora_rank", "max_cpu_loras") if k in kw]
+    if lora and not kw.get("enable_lora"):
+        fail(f"argument --{lora[0].replace('_', '-')}: needs --enable-lora")
     tiers_on = any(k in kw for k in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url"))
     if tiers_on and kw.get("enable_prefix_caching") is False:
         fail("tiers below the device need prefix caching; drop --no-prefix-caching")

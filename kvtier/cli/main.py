@@ -10,6 +10,7 @@ defaults apply.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -17,6 +18,7 @@ from kvtier.cli import analyze, bench, cache, convert, demo, eval_kv, generate, 
 from kvtier.cli.args import parse_size
 from kvtier.cli.engine_args import ENGINE_KEYS, KV_CACHE_DTYPES, TIER_KEYS, add_engine_args, engine_kwargs
 from kvtier.threads.wait import apply_wait_policy
+from kvtier.vllm_flags import check_vllm_flags
 
 # re-exported: tests (and older callers) import these from here
 __all__ = [
@@ -44,8 +46,8 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        self.exit(2, f"kvtier: error: {message}\n")
+        # one line: what is wrong, and where the flags are listed (no usage block to scroll past)
+        self.exit(2, f"kvtier: error: {message} (`{self.prog} --help` lists the flags)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.engine_kwargs = engine_kwargs(args, args.subparser)
     try:
+        if hasattr(args, "vllm_tensor_parallel_size"):  # the commands that take the engine flags
+            for note in check_vllm_flags(args):
+                print(f"kvtier: {note}", file=sys.stderr)
         return args.func(args)
     except (ValueError, OSError, ImportError) as e:
         print(f"kvtier: error: {e}", file=sys.stderr)
@@ -71,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtier: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # anything else, e.g. a checkpoint kvtier cannot read: one line too
+        if os.environ.get("KVTIER_DEBUG"):
+            raise
+        print(f"kvtier: error: {type(e).__name__}: {e} (KVTIER_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -40,14 +40,7 @@ def _rate(text: str) -> str:
 
 
 def _structured_config(text: str) -> dict[str, Any]:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("a JSON object")
+    value = _json_object(text)
     backend = value.pop("backend", "auto")
     if backend not in ("auto", "guidance", "llguidance"):
         raise argparse.ArgumentTypeError(
@@ -138,7 +131,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--tool-call-parser",
         default=None,
         metavar="NAME",
-        help="the tool-call format of the model: hermes (Qwen, Hermes), llama3_json, mistral",
+        help="the tool-call format of the model, vLLM's names: hermes (Qwen2.5, Hermes; qwen, qwen3_json), "
+        "llama3_json (llama4_json), mistral, pythonic, qwen3_coder (qwen3_xml), granite, granite-20b-fc, "
+        "deepseek_v3, openai (gpt-oss)",
     )
     s.add_argument(
         "--allowed-origins",
@@ -322,8 +317,124 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="SECONDS",
         help="how often tenants' ttl_s (from --api-keys) is enforced in every tier (default 10)",
     )
+    _add_vllm_server_args(s)
     add_engine_args(s)
     s.set_defaults(func=run, subparser=s)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object")
+    return value
+
+
+def _lora_module(text: str) -> tuple[str, str, str | None]:
+    """--lora-modules: name=path, or vLLM's JSON {"name": ..., "path": ..., "base_model_name": ...}."""
+    import json
+
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if (
+            not isinstance(value, dict)
+            or not isinstance(value.get("name"), str)
+            or not isinstance(value.get("path"), str)
+        ):
+            raise argparse.ArgumentTypeError('a JSON object {"name": NAME, "path": DIR[, "base_model_name": M]}')
+        unknown = sorted(set(value) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown key {unknown[0]!r}")
+        return value["name"], value["path"], value.get("base_model_name")
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {text!r}")
+    return name, path, None
+
+
+def _add_vllm_server_args(s: argparse.ArgumentParser) -> None:
+    """vLLM's server flags with the same meaning in kvtier (README: vLLM flags)."""
+    g = s.add_argument_group("vLLM server flags")
+    g.add_argument(
+        "--lora-modules",
+        type=_lora_module,
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT directories) requests name as their model (needs --enable-lora)",
+    )
+    g.add_argument(
+        "--override-generation-config",
+        type=_json_object,
+        default=None,
+        metavar="JSON",
+        help="sampling defaults set or replaced over --generation-config's, e.g. '{\"temperature\": 0.5}'",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        metavar="ROLE",
+        help="the role of chat replies (default assistant)",
+    )
+    g.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name tokens as token_id:N (also per request)",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details (cached tokens) in responses",
+    )
+    g.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="usage in every streamed response, asked for or not",
+    )
+    g.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="count requests in flight and serve GET /load",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's sampling parameters and prompt (INFO)",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests: at most N characters / token ids of each prompt",
+    )
+    g.add_argument(
+        "--root-path", default="", metavar="PATH", help="the path prefix of a proxy in front (FastAPI root_path)"
+    )
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="serve HTTPS with this key (and --ssl-certfile)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE", help="serve HTTPS with this certificate")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates for client certificates")
+    g.add_argument(
+        "--uvicorn-log-level",
+        choices=("critical", "error", "warning", "info", "debug", "trace"),
+        default=None,
+        help="uvicorn's own log level (default: --log-level)",
+    )
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no access-log line per HTTP request")
+    g.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="the engine on a thread of the server process, as --engine-in-process",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -368,6 +479,36 @@ def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
     args.model = args.model or args.model_tag
     if args.model is None:
         raise ValueError("serve needs a model: kvtier serve MODEL (a checkpoint directory or .gguf file)")
+    from kvtier.model.resolve import resolve_model
+
+    # a hub id becomes its cached snapshot here, once: the engine (in its own process or not)
+    # and the tokenizer read the same path; clients keep sending the id (the served name)
+    model_id = args.model
+    kw = args.engine_kwargs
+    args.model = resolve_model(model_id, kw.pop("revision", None), kw.get("download_dir"))
+    if kw.get("tokenizer"):
+        kw["tokenizer"] = resolve_model(kw["tokenizer"], None, kw.get("download_dir"))
+    kw.pop("download_dir", None)
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+    for flag, path in (
+        ("--ssl-keyfile", args.ssl_keyfile),
+        ("--ssl-certfile", args.ssl_certfile),
+        ("--ssl-ca-certs", args.ssl_ca_certs),
+    ):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag} {path}: no such file")
+    if args.lora_modules:
+        if not kw.get("enable_lora"):
+            raise ValueError("--lora-modules needs --enable-lora (as in vLLM)")
+        lora_names = [m[0] for m in args.lora_modules]
+        if len(set(lora_names)) != len(lora_names):
+            raise ValueError(f"--lora-modules: a name given twice: {lora_names}")
+        for name, path, _ in args.lora_modules:
+            if not os.path.isdir(path):
+                raise ValueError(f"--lora-modules {name}={path}: no such directory (a PEFT adapter directory)")
+    if args.disable_frontend_multiprocessing:
+        args.engine_in_process = True
     if args.api_key and args.api_keys:
         raise ValueError("--api-key and --api-keys exclude each other: one shared key, or a file of keys and tenants")
     if args.enable_auto_tool_choice != bool(args.tool_call_parser):
@@ -376,8 +517,8 @@ def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         from kvtier.server.tools import make_parser
 
         make_parser(args.tool_call_parser)  # an unknown name fails before the model loads
-    names = tuple(args.served_model_name or (args.model,))
-    defaults = generation_defaults(args.model, args.generation_config)
+    names = tuple(args.served_model_name or (model_id,))
+    defaults = generation_defaults(args.model, args.generation_config, args.override_generation_config)
     config = ServerConfig(
         host=args.host,
         port=args.port,
@@ -406,6 +547,21 @@ def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         max_concurrent_requests_per_key=args.max_concurrent_requests_per_key,
         rate_limit_per_key=args.rate_limit_per_key,
         rate_limit_pace_s=args.rate_limit_pace_s,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        response_role=args.response_role,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        uvicorn_log_level=args.uvicorn_log_level,
+        disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        enable_lora=bool(args.engine_kwargs.get("enable_lora")),
+        lora_modules=tuple(args.lora_modules or ()),
     )
     tenants = ApiKeyResolver.from_file(args.api_keys) if args.api_keys else None
     if args.api_key:
@@ -453,7 +609,8 @@ def _serve_engine_process(args: argparse.Namespace, config: Any, tenants: Any, l
     from kvtier.model.tokenizer import Tokenizer, has_tokenizer
     from kvtier.server.app import run_server
 
-    tokenizer = Tokenizer(args.model) if has_tokenizer(args.model) else None
+    tok_dir = args.engine_kwargs.get("tokenizer") or args.model
+    tokenizer = Tokenizer(tok_dir) if has_tokenizer(tok_dir) else None
     use_chat_template(tokenizer, args.chat_template)
     # the engine's plan (a bad --cpu-threads-bind fails here, before the model loads)
     plan = threads.plan_threads(args.engine_kwargs.get("cpu_threads_bind"), args.engine_kwargs.get("num_threads"))

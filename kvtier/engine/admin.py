@@ -15,10 +15,13 @@ the answer is the future's result when there is one, else what came back now::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from kvtier.engine.stats import LoRACounters, PromptCacheStats
 
 if TYPE_CHECKING:
     from kvtier.engine.core import EngineCore
@@ -81,6 +84,10 @@ class EngineStats:
     num_waiting: int
     num_loading: int
     drift: DriftCounters | None = None
+    prompt_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
+    """Where the prompt tokens of num_prompt_tokens came from (kvtier.engine.stats)."""
+    lora: LoRACounters | None = None
+    """With LoRA on: the adapters in use."""
 
 
 class EngineAdmin:
@@ -216,6 +223,8 @@ class EngineAdmin:
             num_waiting=len(sched.waiting),
             num_loading=len(sched.loading),
             drift=None if drift is None else _drift_counters(drift),
+            prompt_cache=st.prompt_cache.copy(),
+            lora=_lora_counters(sched) if sched.max_loras else None,
         )
 
     # ------------------------------------------------------------------ fleet keys
@@ -306,6 +315,21 @@ def _copy(d: dict) -> dict:
         except RuntimeError:
             continue
     return {}
+
+
+def _lora_counters(sched: Any) -> LoRACounters:
+    """The adapters of the scheduler's running and waiting requests (its queues copied again
+    when the engine thread changes one meanwhile)."""
+    for _ in range(10):
+        try:
+            running = {r.lora.name for r in list(sched.running) if r.lora is not None}
+            waiting = {r.lora.name for r in [*sched.waiting, *sched.loading] if r.lora is not None}
+            break
+        except RuntimeError:
+            continue
+    else:
+        running, waiting = set(), set()
+    return LoRACounters(sched.max_loras, sorted(running), sorted(waiting), time.time())
 
 
 def _drift_counters(drift: Any) -> DriftCounters:

@@ -9,6 +9,9 @@ admin calls as awaitables, failures, the on_finished hook.
                                     <-- Reply ---------
     await stream.next()             <-- Outputs -------   one message per step (deltas)
     client.abort(request_id)        --- Abort -------->
+    await client.load_lora(lora)    --- AddBatch ----->   a one-token probe naming the adapter,
+                                    --- Abort -------->   aborted at once: the engine loads it
+                                    <-- Reply ---------   (or says why it cannot)
     await client.purge(tenant)      --- AdminCall ---->   EngineAdmin between steps; the
                                     <-- Reply ---------   tiers' part on their admin worker
 """
@@ -20,6 +23,7 @@ import itertools
 import logging
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +46,9 @@ from kvtier.engine.protocol import (
     Reply,
     stats_value,
 )
+from kvtier.lora import LoRARequest
 from kvtier.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvtier.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvtier.server")
 
@@ -163,6 +169,7 @@ class _Live:
             prompt_logprobs=None
             if d.prompt_logprobs is None
             else [None if e is None else _logprobs(e) for e in d.prompt_logprobs],
+            lora_request=self.spec.lora_request,
         )
 
 
@@ -263,6 +270,20 @@ class EngineClient(ABC):
         if self.alive:
             self._send(Abort(request_id))
 
+    async def load_lora(self, lora_request: LoRARequest) -> None:
+        """Have the engine load `lora_request`'s adapter now and keep it for the requests that
+        name it (vLLM's add_lora); the engine's ValueError, with the reason, when it cannot be
+        read or does not fit the model. The engine loads an adapter when a request first names
+        it: this adds a one-token request naming it with its abort sent right behind, so that,
+        as a rule, it is gone before the engine's next step (its outputs reach no stream)."""
+        probe = AddRequest(
+            f"kvtier-lora-load-{uuid.uuid4().hex}",
+            [0],
+            SamplingParams(max_tokens=1, temperature=0.0),
+            lora_request=lora_request,
+        )
+        await self._call(lambda call_id: AddBatch(call_id, [probe]), then=Abort(probe.request_id))
+
     # ------------------------------------------------------------------ admin calls
     async def purge(self, tenant: str | None, every_tenant: bool = False) -> dict[str, Any]:
         """Purge `tenant` (every tenant: `every_tenant`). Its unfinished requests are aborted
@@ -291,14 +312,16 @@ class EngineClient(ABC):
     async def _admin(self, op: AdminOp, tenant: str | None = None, every_tenant: bool = False) -> Any:
         return await self._call(lambda call_id: AdminCall(call_id, op, tenant, every_tenant))
 
-    async def _call(self, command: Callable[[int], Any]) -> Any:
-        """Send `command(call_id)`; the value of its Reply."""
+    async def _call(self, command: Callable[[int], Any], then: Any = None) -> Any:
+        """Send `command(call_id)` (and `then`, a message, right behind it); the value of its Reply."""
         self._check_alive()
         call_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
         try:
             self._send(command(call_id))
+            if then is not None:
+                self._send(then)
             return await fut
         finally:
             self._calls.pop(call_id, None)

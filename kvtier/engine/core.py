@@ -25,11 +25,13 @@ from kvtier.engine.admin import EngineAdmin
 from kvtier.engine.detokenizer import IncrementalDetokenizer
 from kvtier.engine.drift import DriftMonitor
 from kvtier.engine.input import check_max_tokens, check_prompt_fits, truncate_prompt
+from kvtier.engine.stats import PromptCacheStats
 from kvtier.engine.tenants import EngineTenants
 from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.kv_events import KVEventRecorder, ZmqEventPublisher
 from kvtier.kvcache.keys import chain_keys, root_key
 from kvtier.kvcache.manager import KVCacheManager
+from kvtier.lora import LoRAConfig, LoRARegistry, LoRARequest, lora_fingerprint
 from kvtier.model.sampler import Sample, SampleRow, sample, top_logprobs
 from kvtier.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -38,6 +40,7 @@ from kvtier.sched.request import Request, RequestStatus
 from kvtier.sched.scheduler import Scheduler
 
 if TYPE_CHECKING:
+    from kvtier.model.lora import LoRAWeights
     from kvtier.structured import GrammarCompiler
 
 logger = logging.getLogger("kvtier.engine")
@@ -63,6 +66,8 @@ class StepStats:
     iteration_token_counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKEN_BUCKETS) + 1))
     """Steps by tokens computed (prompt chunks and decodes): counts per ITERATION_TOKEN_BUCKETS
     bucket (not cumulative), the last for larger steps."""
+    prompt_cache: PromptCacheStats = field(default_factory=PromptCacheStats)
+    """Where the prompt tokens of num_prompt_tokens came from (kvtier.engine.stats)."""
 
     @property
     def total_s(self) -> float:
@@ -104,6 +109,9 @@ class _Group:
     """Filled position by position as the prompt is computed (SamplingParams.prompt_logprobs)."""
     matchers: list[Any] = field(default_factory=list)
     """Structured outputs: each sequence's grammar state (kvtier.structured.Matcher) or None."""
+    lora_request: LoRARequest | None = None
+    lora: LoRAWeights | None = None
+    """The adapter `lora_request` names, loaded (every sequence runs it); None: the base model."""
 
     @property
     def finished(self) -> bool:
@@ -129,7 +137,11 @@ class EngineCore:
     ITERATION_TOKEN_BUCKETS = ITERATION_TOKEN_BUCKETS
     """The bounds of the tokens-per-step histogram (StepStats.iteration_token_counts)."""
 
-    def __init__(self, config: EngineConfig, runner=None, tokenizer=None) -> None:
+    def __init__(
+        self, config: EngineConfig, runner=None, tokenizer=None, lora_config: LoRAConfig | None = None
+    ) -> None:
+        """`lora_config`: serve LoRA adapters (kvtier.lora) within its limits; None: requests
+        naming an adapter are refused."""
         from kvtier.model.runner import ModelRunner
 
         self.config = config
@@ -159,6 +171,7 @@ class EngineCore:
             seed=mc.seed,
             kv_cache_dtype=cc.kv_cache_dtype,
             memory_fraction=cc.memory_fraction,
+            memory_utilization=cc.memory_utilization,
         )
         self.kv = KVCacheManager(self.runner.num_blocks, cc.block_size, cc.enable_prefix_caching, cc.eviction_policy)
         self.tiers = None
@@ -174,7 +187,15 @@ class EngineCore:
                 block_size=cc.block_size,
             )
             self.kv.set_store_policy(config.tiers.cache_write_policy, config.tiers.selective_min_hits)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.tiers)
+        self.lora_config = lora_config
+        self.loras: LoRARegistry | None = None
+        """The loaded LoRA adapters (kvtier.lora), None without enable_lora."""
+        if lora_config is not None:
+            self.loras = LoRARegistry(lora_config, self.runner.arch, self.runner.dtype)
+            self.runner.enable_lora(lora_config.max_loras)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv, self.tiers, max_loras=lora_config.max_loras if lora_config is not None else 0
+        )
         self.tokenizer = tokenizer
         arch = self.runner.arch
         self.max_model_len = min(mc.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings)
@@ -220,11 +241,14 @@ class EngineCore:
         tenant: str | None = None,
         tenancy: Tenancy | None = None,
         stream_text: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Add a request; its id. `tenancy`: who it belongs to, as the engine loop receives it
         from the server (kvtier.identity); or, offline and in tests, `tenant` and `cache_salt`,
         made into one here (not both ways at once). `stream_text`: running outputs carry the
-        text decoded so far (a streaming reader's deltas; see _Group.stream_text)."""
+        text decoded so far (a streaming reader's deltas; see _Group.stream_text).
+        `lora_request`: the LoRA adapter to run it with, loaded here on its first use (a
+        ValueError when LoRA is off or the adapter does not fit the model)."""
         if tenancy is None:
             tenancy = Tenancy.of(tenant, cache_salt)
         elif tenant is not None or cache_salt is not None:
@@ -242,6 +266,7 @@ class EngineCore:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self._adapter(lora_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matcher = (
             self._grammar_compiler().matcher(params.structured_outputs)
@@ -251,6 +276,7 @@ class EngineCore:
         group = _Group(request_id, prompt, ids, params, arrival)
         group.tenancy = tenancy
         group.stream_text = stream_text
+        group.lora_request, group.lora = lora_request, adapter
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(ids)
         req = self._new_seq(group, 0, ids, priority, arrival)
@@ -261,9 +287,26 @@ class EngineCore:
             req.remote_lookup = self.tiers.submit_remote_lookup(req.tier_keys)
         self.scheduler.add_request(req)
         self._groups[request_id] = group
-        if self.drift is not None:
+        if self.drift is not None and adapter is None:  # the shadow recompute runs the base model
             self.drift.sample(request_id, ids)
         return request_id
+
+    def _key_fingerprint(self, adapter: LoRAWeights | None) -> bytes:
+        """What a request's block keys are rooted in: the model's fingerprint, with its adapter's
+        content digest folded in (two adapters, or one and the base model, never share a block)."""
+        fp = self.runner.fingerprint
+        return fp if adapter is None else lora_fingerprint(fp, adapter.key)
+
+    def _adapter(self, lora_request: LoRARequest | None) -> LoRAWeights | None:
+        """The loaded adapter `lora_request` names (None for none)."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError(
+                "this request names a LoRA adapter but LoRA is not enabled; "
+                "start the engine with enable_lora=True (--enable-lora)"
+            )
+        return self.loras.get(lora_request)
 
     def _check_logits_params(self, params: SamplingParams) -> None:
         """Token ids in the vocabulary (logit_bias, allowed_token_ids, stop_token_ids, tokenized
@@ -317,7 +360,7 @@ class EngineCore:
             req_id=req_id,
             prompt_token_ids=group.prompt_token_ids,
             sampling=sp,
-            root_key=root_key(self.runner.fingerprint, group.tenancy.cache_salt),
+            root_key=root_key(self._key_fingerprint(group.lora), group.tenancy.cache_salt),
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             priority=priority,
@@ -326,6 +369,7 @@ class EngineCore:
             sample_index=index,
             all_token_ids=list(tokens),
             tenancy=group.tenancy,
+            lora=group.lora,
         )
         if sp.seed is not None:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)
@@ -574,10 +618,15 @@ class EngineCore:
         outs = [self.abort_request(rid) for rid in request_ids]
         return [o for o in outs if o is not None]
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, store_evicted: bool = True) -> int:
+        """Evict every cached device block no request holds; how many. `store_evicted` False:
+        write-back blocks are dropped, not sent down (the tiers are being reset too:
+        kvtier.engine.reset)."""
         n = self.kv.pool.evict_all()
-        if self.tiers is not None:
+        if self.tiers is not None and store_evicted:
             self._store_blocks()  # write-back: what the device drops goes down first
+        elif self.tiers is not None:
+            self.kv.take_blocks_to_store()
         if self.kv_events is not None:
             self.kv_events.cleared_if_empty()
             self.kv_events.flush()
@@ -739,6 +788,13 @@ class EngineCore:
         st.num_generation_tokens += 1
         if i == 0 and len(req.output_token_ids) == 1:
             st.num_prompt_tokens += len(group.prompt_token_ids)
+            reads = req.sampling.prompt_logprobs is None  # prompt_logprobs: nothing is reused
+            st.prompt_cache.count(
+                len(group.prompt_token_ids),
+                req.cached_by_tier or {"device": req.num_cached_tokens or 0},
+                looked_up=reads and self.config.cache.enable_prefix_caching,
+                tiers_asked=reads and self.tiers is not None,
+            )
         if s.logprob is not None:
             group.logprobs[i].append(self._decoded(s.top_logprobs or {}))
             group.cum_logprobs[i] += s.logprob
@@ -822,6 +878,7 @@ class EngineCore:
             restore_decision=head.restore_decision,
             restore_s=head.restore_s,
             prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs is not None else None,
+            lora_request=group.lora_request,
         )
 
     def _finish_group(self, group: _Group) -> RequestOutput:

@@ -1,13 +1,15 @@
 """make_engine_client: the one factory of the server's EngineClient, the engine on a thread of
 the server process (InProcessEngineClient) or in its own process (ProcessEngineClient), given
-the same settings either way."""
+the same settings either way; and `reset_prefix_cache`, an admin call that works with either."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from kvtier.engine.client import EngineClient, InProcessEngineClient
 from kvtier.engine.process import ProcessEngineClient
+from kvtier.engine.protocol import AdminCall, AdminOp
 
 
 def make_engine_client(
@@ -40,3 +42,10 @@ def make_engine_client(
     )
     client.start_process()
     return client
+
+
+async def reset_prefix_cache(client: EngineClient, tiers: Sequence[str]) -> dict[str, Any]:
+    """Empty the prefix cache in `tiers` (of kvtier.engine.reset.TIERS) through `client`'s admin
+    path, between two steps (running requests keep their blocks); kvtier.engine.reset.begin_reset
+    describes the answer. ValueError for an unknown tier."""
+    return await client._call(lambda call_id: AdminCall(call_id, AdminOp.RESET_PREFIX_CACHE, tiers=list(tiers)))

@@ -4,7 +4,8 @@
     loop: take the commands that arrived (block while there is nothing to do)
           AddBatch  -> EngineCore.add_request for each, all or none; Reply
           Abort     -> EngineCore.abort_request; its final delta
-          AdminCall -> EngineAdmin (core.admin); Reply now, or once the tiers' part is done
+          AdminCall -> EngineAdmin (core.admin), or kvtier.engine.reset for a prefix cache
+                       reset; Reply now, or once the tiers' part is done
           apply fleet key revocations; step; each moved request's OutputDelta, one Outputs
           message per step; a failed step: every request in flight aborted, one Fail
 """
@@ -20,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvtier.engine import reset
 from kvtier.engine.protocol import (
     Abort,
     AddBatch,
@@ -209,6 +211,7 @@ class EngineLoop:
                         tenancy=r.tenancy,
                         arrival_time=min(r.arrival_time, time.monotonic()),
                         stream_text=r.stream,
+                        lora_request=r.lora_request,
                     )
                 )
         except Exception as e:  # noqa: BLE001 - ValueError: bad input; handed back either way
@@ -263,6 +266,9 @@ class EngineLoop:
             self._reply_when(call.call_id, admin.integrity_report())
         elif op is AdminOp.STATS:
             self._reply_when(call.call_id, admin.stats())
+        elif op is AdminOp.RESET_PREFIX_CACHE:  # KV events sent on the engine thread
+            now, future = reset.begin_reset(self.core, call.tiers)
+            self._reply_when(call.call_id, now, future, then=lambda: reset.publish_events(self.core))
         else:
             raise ValueError(f"unknown engine call {op!r}")
 
@@ -301,7 +307,10 @@ class EngineLoop:
 def to_delta(out: RequestOutput, sent: list[tuple[int, int]]) -> OutputDelta:
     """A RequestOutput as a delta: per sequence only the token ids (and logprobs) and the text
     not sent yet (the whole final text once it ends); `sent[i]` counts the token ids and
-    characters sent of sequence i (updated)."""
+    characters sent of sequence i (updated). The prompt's logprobs go with the first delta that
+    has tokens (the prompt is computed then: an echoing stream sends them first) and again with
+    the finished one (the final output carries them)."""
+    first_tokens = not any(k for k, _ in sent) and any(c.token_ids for c in out.outputs)
     seqs = []
     for c in out.outputs:
         while len(sent) <= c.index:
@@ -336,5 +345,7 @@ def to_delta(out: RequestOutput, sent: list[tuple[int, int]]) -> OutputDelta:
         out.num_preemptions,
         out.restore_decision,
         out.restore_s,
-        plain_logprobs(out.prompt_logprobs) if out.finished and out.prompt_logprobs is not None else None,
+        plain_logprobs(out.prompt_logprobs)
+        if (out.finished or first_tokens) and out.prompt_logprobs is not None
+        else None,
     )

@@ -109,9 +109,11 @@ def engine_main() -> int:
             settings.get("tenant_ttls", []), settings.get("tenant_quotas", []), tuple(fleet) if fleet else None
         )
     except BaseException as e:
-        bad_config = isinstance(e, ValueError)  # e.g. a master key the fleet does not use: one line
+        # a setting's fault (a master key the fleet does not use, a missing checkpoint file): the
+        # starting process says it in one line, so no second line (or traceback) here
+        bad_config = isinstance(e, (ValueError, OSError, ImportError))
         if bad_config:
-            logger.error("the engine could not start: %s", e)
+            logger.debug("the engine could not start: %s", e)
         else:
             logger.exception("the engine could not start")
         transport.send(Fatal(f"{type(e).__name__}: {e}", bad_config))

@@ -21,6 +21,7 @@ import msgspec
 
 from kvtier.engine.admin import EngineStats
 from kvtier.identity import ANONYMOUS, Tenancy
+from kvtier.lora import LoRARequest
 from kvtier.sampling_params import SamplingParams
 
 LogprobEntry = dict[int, tuple[float, int | None]]
@@ -45,6 +46,8 @@ class AddRequest(msgspec.Struct, array_like=True, tag="add_request"):
     stream: bool = False
     """The server streams the text: the engine detokenizes it as it grows and ships the new text
     in each delta (SeqDelta.text_delta), so it is decoded once, in the engine."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter to run the request with (kvtier.lora); None: the base model."""
 
 
 class AddBatch(msgspec.Struct, array_like=True, tag="add"):
@@ -75,6 +78,9 @@ class AdminOp(enum.Enum):
     """The engine's counters for the metrics scrape; reply: an EngineStats."""
     STOP = "stop"
     """Fail what is in flight and end the loop; reply: None."""
+    RESET_PREFIX_CACHE = "reset_prefix_cache"
+    """Empty the prefix cache in the tiers named by `tiers` (blocks running requests hold stay);
+    reply: what each tier cleared (kvtier.engine.reset)."""
 
 
 class AdminCall(msgspec.Struct, array_like=True, tag="call"):
@@ -82,6 +88,8 @@ class AdminCall(msgspec.Struct, array_like=True, tag="call"):
     op: AdminOp
     tenant: str | None = None
     every_tenant: bool = False
+    tiers: list[str] | None = None
+    """RESET_PREFIX_CACHE: the tiers to clear ("device", "host", "disk", "remote")."""
 
 
 class SeqDelta(msgspec.Struct, array_like=True):
@@ -118,7 +126,7 @@ class OutputDelta(msgspec.Struct, array_like=True):
     restore_decision: str | None
     restore_s: float
     prompt_logprobs: list[LogprobEntry | None] | None
-    """Sent once, with the finished delta."""
+    """Sent with the first delta that has tokens and with the finished one (else None)."""
 
 
 class Outputs(msgspec.Struct, array_like=True, tag="out"):

@@ -23,6 +23,7 @@ from kvtier.model import layer_ops
 from kvtier.model.attention import AttentionBackend, AttentionMetadata, KVCache
 from kvtier.model.hf_config import ArchConfig
 from kvtier.model.linear import ONEDNN, GemmPlan, Linear, plan_for
+from kvtier.model.lora import DOWN, GATE_UP, O_PROJ, QKV, LoRABatch
 
 if TYPE_CHECKING:
     from kvtier.model.fused_decode import FusedDecode
@@ -120,8 +121,9 @@ class Attention(nn.Module):
     native_f32 = False
     """Fused float32 rope (layer_ops.rope_f32_): set for models with quantized weights."""
 
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = arch.num_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -144,10 +146,13 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         num_qk_heads = self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if lora is not None:
+            lora.apply(self.layer_idx, QKV, x, qkv)
         qk = qkv[:, : num_qk_heads * self.head_dim].view(num_tokens, num_qk_heads, self.head_dim)
         v = qkv[:, num_qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm is not None:
@@ -156,6 +161,8 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         self.backend.write_kv(k, v, kv_cache, meta)
         out = self.backend.forward(q, k, v, kv_cache, meta)  # [T, Hq * D]
+        if lora is not None:
+            return lora.apply(self.layer_idx, O_PROJ, out, self.o_proj(out))
         return self.o_proj(out)
 
 
@@ -163,30 +170,35 @@ class MLP(nn.Module):
     native_f32 = False
     """Fused float32 SiLU * up (layer_ops.silu_mul_f32): set for models with quantized weights."""
 
-    def __init__(self, arch: ArchConfig, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias, dtype=dtype)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2 I]
+        if lora is not None:
+            lora.apply(self.layer_idx, GATE_UP, x, gate_up)
         act = layer_ops.silu_mul(gate_up, self.intermediate_size)
         if act is None and self.native_f32:
             act = layer_ops.silu_mul_f32(gate_up, self.intermediate_size)
         if act is None:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)  # [T, I] each
             act = F.silu(gate) * up
+        if lora is not None:
+            return lora.apply(self.layer_idx, DOWN, act, self.down_proj(act))
         return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype) -> None:
+    def __init__(self, arch: ArchConfig, backend: AttentionBackend, dtype: torch.dtype, layer_idx: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.self_attn = Attention(arch, backend, dtype)
+        self.self_attn = Attention(arch, backend, dtype, layer_idx)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.mlp = MLP(arch, dtype, layer_idx)
 
     def forward(
         self,
@@ -196,13 +208,14 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the stream after the layer
         is their sum, which the next layer's input norm takes (see RMSNorm.add_norm)."""
         x, residual = self.input_layernorm.add_norm(h, residual)
-        h = self.self_attn(x, cos, sin, kv_cache, meta)
+        h = self.self_attn(x, cos, sin, kv_cache, meta, lora)
         x, residual = self.post_attention_layernorm.add_norm(h, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class DecoderLM(nn.Module):
@@ -226,7 +239,7 @@ class DecoderLM(nn.Module):
         self.arch = arch
         self.tie_word_embeddings = tie_word_embeddings
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, backend, dtype) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, backend, dtype, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
         self.tie_weights()
@@ -267,11 +280,14 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """input_ids, positions [T] long; kv_caches[l] [2, Hkv, num_blocks, block_size, D] (a tensor, or
         a QuantizedKVCache when the KV dtype is not the model dtype: see kvtier.model.attention).
+        `lora`: the step's adapters and their rows (kvtier.model.lora), None when no row has one
+        (only then may the one-call fused decode run: it knows no adapters).
         Returns hidden states [T, hidden] (final norm not applied)."""
-        if self.fused_decode is not None and meta.decode is not None and not meta.prefills:
+        if self.fused_decode is not None and lora is None and meta.decode is not None and not meta.prefills:
             fused = self.fused_decode(self, input_ids, positions, kv_caches, meta)
             if fused is not None:
                 return fused
@@ -279,7 +295,7 @@ class DecoderLM(nn.Module):
         cos, sin = self.rope.cos_sin(positions, h.dtype)  # [T, 1, D/2], shared by all layers
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta, lora)
         return residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

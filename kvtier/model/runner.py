@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from kvtier.model.kv_quant import KVDtype, QuantizedKVCache, resolve_kv_dtype
 from kvtier.model.linear import can_pack_linears
 from kvtier.model.llama import DecoderLM
 from kvtier.model.loader import arch_config, checkpoint_dtype, load_model, model_fingerprint, read_kv_scales
+from kvtier.model.lora import LoRABatch, LoRAWeights
 from kvtier.sched.output import BlockCopy, ScheduledSeq, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class ModelRunner:
         pack_weights: bool = True,
         kv_cache_dtype: str | torch.dtype = "auto",
         memory_fraction: float | None = None,
+        memory_utilization: float | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
@@ -140,6 +143,8 @@ class ModelRunner:
             if self.kv_bytes_per_block % block_size == 0
             else self.kv_bytes_per_block / block_size
         )
+        if num_blocks is None and kv_cache_bytes is None and memory_utilization is not None:
+            kv_cache_bytes = self._kv_bytes_for_utilization(memory_utilization)
         self.num_blocks = num_blocks if num_blocks is not None else self._blocks_for(kv_cache_bytes, memory_fraction)
         if self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
@@ -167,6 +172,10 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = self._layer_caches()
         self._warm_up_kv_kernels()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.max_loras = 0
+        """Device slots for LoRA adapters (`enable_lora`); 0: LoRA off, the forward pass never looks."""
+        self._lora_slots: OrderedDict[bytes, LoRAWeights] = OrderedDict()
+        """Adapter key -> its weights on this device, least recently used first."""
 
     # -- public ----------------------------------------------------------------------------
 
@@ -193,7 +202,8 @@ class ModelRunner:
             return empty, None
         input_ids, positions, sample_rows = self._prepare_inputs(out.seqs)
         meta = self.attn_backend.build_metadata(out.seqs, self.block_size, self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [T, hidden]
+        lora = self._lora_batch(out.seqs) if self.max_loras else None
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, lora)  # [T, hidden]
         extra = None
         if rows:
             extra = self.model.compute_logits(hidden.index_select(0, long_tensor(rows, self.device)))
@@ -202,6 +212,32 @@ class ModelRunner:
         if sample_rows is None:
             return empty, extra
         return self.model.compute_logits(hidden.index_select(0, sample_rows)), extra
+
+    def enable_lora(self, max_loras: int) -> None:
+        """Serve LoRA adapters: a step's sequences may name one (ScheduledSeq.lora), of at most
+        `max_loras` distinct adapters per step (the scheduler keeps to it), each kept on the
+        device in one of `max_loras` slots until a step needs the slot for another."""
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        self.max_loras = max_loras
+
+    def _lora_batch(self, seqs: list[ScheduledSeq]) -> LoRABatch | None:
+        """The step's adapters on the device and their rows; None when no sequence has one."""
+        if all(s.lora is None for s in seqs):
+            return None
+        wanted = {s.lora.key: s.lora for s in seqs if s.lora is not None}
+        if len(wanted) > self.max_loras:
+            raise RuntimeError(f"a step with {len(wanted)} LoRA adapters; max_loras is {self.max_loras}")
+        slots = self._lora_slots
+        for key, adapter in wanted.items():
+            if key in slots:
+                slots.move_to_end(key)
+                continue
+            if len(slots) >= self.max_loras:  # the least recently used adapter this step does not need
+                del slots[next(k for k in slots if k not in wanted)]
+            slots[key] = adapter.to(self.device)
+        adapters = [slots[s.lora.key] if s.lora is not None else None for s in seqs]
+        return LoRABatch.build(adapters, [len(s.token_ids) for s in seqs], self.device)
 
     @property
     def tokens_per_gib(self) -> float:
@@ -419,6 +455,40 @@ class ModelRunner:
             long_tensor(sample_rows, device) if sample_rows else None,
         )
 
+    def _kv_bytes_for_utilization(self, utilization: float) -> int:
+        """vLLM's gpu_memory_utilization: this instance may use `utilization` of the device's
+        total memory, what it already holds (weights, runtime) included; the KV pool gets the rest
+        less a working reserve for activations. Checked: a share too small for the weights is a
+        ValueError; a pool larger than the memory available now is capped to it (logged)."""
+        gib = 1 << 30
+        total = _total_memory_bytes(self.device)
+        budget = int(total * utilization)
+        used = _instance_memory_bytes(self.device)
+        reserve = max(256 << 20, budget // 20)
+        kv_bytes = budget - used - reserve
+        if kv_bytes < self.kv_bytes_per_block:
+            raise ValueError(
+                f"gpu_memory_utilization={utilization} allows {budget / gib:.2f} GiB of this machine's "
+                f"{total / gib:.2f} GiB, and this instance already uses {used / gib:.2f} GiB (weights and "
+                f"runtime) plus a {reserve / gib:.2f} GiB working reserve: no room for the KV cache; "
+                "raise it, or size the pool with --kv-cache-bytes"
+            )
+        available = _available_memory_bytes(self.device)
+        headroom = max(512 << 20, total // 20)  # left to the OS and the other processes
+        if kv_bytes > available - headroom:
+            capped = max(available - headroom, self.kv_bytes_per_block)
+            logger.warning(
+                "gpu_memory_utilization=%s asks for a %.2f GiB KV cache, but %.2f GiB is available now: "
+                "the pool takes %.2f GiB (vLLM's meaning is the share of the whole machine; on a shared "
+                "host size the pool with --kv-cache-bytes)",
+                utilization,
+                kv_bytes / gib,
+                available / gib,
+                capped / gib,
+            )
+            kv_bytes = capped
+        return kv_bytes
+
     def _blocks_for(self, kv_cache_bytes: int | None, memory_fraction: float | None = None) -> int:
         if kv_cache_bytes is None:
             available = _available_memory_bytes(self.device)
@@ -466,6 +536,35 @@ def _resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, model_dir: Path) 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
+
+
+def _total_memory_bytes(device: torch.device) -> int:
+    """The device's memory: a CUDA device's, else the host's MemTotal (or this cgroup's limit
+    where lower)."""
+    if device.type == "cuda":
+        _free, total = torch.cuda.mem_get_info(device)
+        return total
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def _instance_memory_bytes(device: torch.device) -> int:
+    """What this instance holds on `device` now: torch's reserved memory on CUDA, else this
+    process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.memory_reserved(device)
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _available_memory_bytes(device: torch.device) -> int:

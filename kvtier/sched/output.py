@@ -15,8 +15,12 @@ tier below, written into the pool before the forward pass too.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvtier.kvcache.block_pool import BlockCopy, BlockLoad
+
+if TYPE_CHECKING:
+    from kvtier.model.lora import LoRAWeights
 
 __all__ = ["BlockCopy", "BlockLoad", "ScheduledSeq", "SchedulerOutput"]
 
@@ -34,6 +38,8 @@ class ScheduledSeq:
     """The sequence's block table; covers at least start_pos + len(token_ids) tokens."""
     sample: bool
     """True when the last of token_ids needs logits (prompt done, or decoding)."""
+    lora: LoRAWeights | None = None
+    """The LoRA adapter its tokens run through (kvtier.model.lora); None: the base model."""
 
     @property
     def num_tokens(self) -> int:

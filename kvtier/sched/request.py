@@ -5,11 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.identity import ANONYMOUS, Tenancy
 from kvtier.kvcache.keys import BlockKey
 from kvtier.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvtier.model.lora import LoRAWeights
 
 
 class RequestStatus(enum.Enum):
@@ -59,6 +62,9 @@ class Request:
     parent_id: str | None = None
     """Set on the n-1 extra samples of an n > 1 request; they start by forking the parent."""
     sample_index: int = 0
+    lora: LoRAWeights | None = None
+    """The LoRA adapter it runs (kvtier.model.lora; None: the base model); its root key was made
+    with the adapter's key folded in (kvtier.lora.lora_fingerprint)."""
 
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)

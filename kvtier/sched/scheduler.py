@@ -9,6 +9,9 @@ the others are admitted as prefix hits a step or a few later). There are no pref
 phases. When the pool cannot grow a running request, the least important
 running request (lowest priority, then latest arrival) is preempted: its blocks are freed (its
 full blocks stay cached, so resuming is mostly a prefix hit) and it waits at the head.
+With LoRA, the running (and loading) requests use at most `max_loras` distinct adapters: a
+waiting request whose adapter would be one more is passed over (others may go first, as in
+vLLM) until a request of another adapter ends or is preempted.
 """
 
 from __future__ import annotations
@@ -72,11 +75,15 @@ class Scheduler:
     loading requests hold blocks and waiting ones hold none; a running request has computed
     no more tokens than it has; plus KVCacheManager's invariants."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiers: Any = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tiers: Any = None, max_loras: int = 0) -> None:
         self.config = config
         self.kv = kv
         self.tiers = tiers
         """A TierHierarchy (duck-typed: runs/submit_load/cost), or None for device only."""
+        self.max_loras = max_loras
+        """Most distinct LoRA adapters among the running and loading requests (0: LoRA off)."""
+        self.num_lora_waits = 0
+        """Times a waiting request was passed over because every adapter slot was taken."""
         self.waiting = make_queue(config.policy, config.aging_steps)
         self.running: list[Request] = []
         self.loading: list[Request] = []
@@ -204,11 +211,18 @@ class Scheduler:
         bs = self.kv.block_size
         inflight: set[bytes] | None = None  # built when a waiting request first needs it
         admitted: list[tuple[Request, int]] = []  # (request, its first uncached block) admitted here
+        adapters: set[bytes] | None = None  # keys of the adapters in use, built when first needed
         for req in self.waiting.ordered():
             if len(self.running) + len(self.loading) >= cfg.max_num_seqs or budget <= 0:
                 break
             if req.remote_lookup is not None and not req.remote_lookup.done():
                 continue  # its remote lookup is on the way; others may go first meanwhile
+            if req.lora is not None:
+                if adapters is None:
+                    adapters = self._adapters_in_use()
+                if req.lora.key not in adapters and len(adapters) >= self.max_loras:
+                    self.num_lora_waits += 1
+                    continue  # no adapter slot: wait for one to free; others may go first
             if req.sampling.prompt_logprobs is None:
                 match = self.kv.match(req.all_token_ids, req.root_key)
             else:  # every prompt position needs its logits: nothing is reused
@@ -227,6 +241,8 @@ class Scheduler:
                     self.num_inflight_waits += 1
                     continue
             if self.tiers is not None and req.sampling.prompt_logprobs is None and self._try_restore(req, match, now):
+                if adapters is not None and req.lora is not None:
+                    adapters.add(req.lora.key)
                 continue
             num_cached = match.num_cached_tokens(bs)
             n = req.num_tokens - num_cached
@@ -247,7 +263,13 @@ class Scheduler:
             out.seqs.append(self._seq(req, n))
             budget -= n
             admitted.append((req, d))
+            if adapters is not None and req.lora is not None:
+                adapters.add(req.lora.key)
         return budget
+
+    def _adapters_in_use(self) -> set[bytes]:
+        """Keys of the LoRA adapters of the running and loading requests (each holds a slot)."""
+        return {r.lora.key for r in (*self.running, *self.loading) if r.lora is not None}
 
     def _prompt_keys(self, req: Request) -> list[bytes]:
         """Chained keys of the full blocks of req.all_token_ids[:-1] (the blocks a later request
@@ -352,6 +374,7 @@ class Scheduler:
             start_pos=start,
             block_ids=self.kv.block_ids(req.req_id),
             sample=start + n == req.num_tokens,
+            lora=req.lora,
         )
 
     # ------------------------------------------------------------------ update
@@ -395,3 +418,5 @@ class Scheduler:
             assert req.num_computed_tokens <= req.num_tokens
         for req in self.waiting:
             assert not self.kv.has_request(req.req_id), f"waiting {req.req_id} holds blocks"
+        in_use = self._adapters_in_use()
+        assert len(in_use) <= self.max_loras, f"{len(in_use)} LoRA adapters in use; max_loras is {self.max_loras}"

@@ -3,7 +3,11 @@
     POST /v1/completions        POST /v1/chat/completions       GET /v1/models
     POST /tokenize              POST /detokenize                GET /version
     GET /tokenizer_info (with --enable-tokenizer-info-endpoint)
-    GET  /health                GET  /metrics                   POST /admin/check_integrity
+    GET  /health, /ping         GET  /metrics                   POST /admin/check_integrity
+    POST /invocations (SageMaker: chat, completions or Responses by the body's shape)
+    GET  /load (requests in flight, with --enable-server-load-tracking)
+    POST /reset_prefix_cache (admin)  DELETE, GET /v1/cache     GET /openapi.json, /docs, /redoc
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter (admin; kvtier.server.lora_adapters)
 
 As vLLM's server: CORS for --allowed-origins (default any origin: the API authenticates by
 bearer key, never by cookie), and an `X-Request-Id` header becomes the response id's suffix
@@ -22,17 +26,20 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from prometheus_client import Counter
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from kvtier.engine.client import EngineClient
+from kvtier.engine.frontend import reset_prefix_cache as reset_engine_cache
 from kvtier.server.http_limits import (
     HTTPLimits,
     KeyLimiter,
@@ -43,14 +50,18 @@ from kvtier.server.http_limits import (
     parse_rate,
     raise_nofile_limit,
 )
+from kvtier.server.lora_adapters import LoRAAdapters
 from kvtier.server.metrics import PREFIX, ServerMetrics
 from kvtier.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
     parse_json_object,
     validation_error,
 )
+from kvtier.server.responses_api import install_responses_api
 from kvtier.server.serving import (
     ClientGone,
     OpenAIServing,
@@ -131,6 +142,78 @@ class ServerConfig:
     rate_limit_pace_s: float = 1.0
     """--rate-limit-pace-s: a per-key 429 is held this long (never past its Retry-After)
     before it is sent (KeyLimiter.pace; 0: at once)."""
+    enable_server_load_tracking: bool = False
+    """--enable-server-load-tracking: GET /load counts the completions and chat requests in
+    flight (streams until they end); off, it answers 0, as vLLM."""
+    return_tokens_as_token_ids: bool = False
+    """--return-tokens-as-token-ids: logprobs name tokens `token_id:N` unless a request's
+    `return_tokens_as_token_ids` says otherwise."""
+    response_role: str = "assistant"
+    """--response-role: the role of chat replies when add_generation_prompt is true."""
+    enable_force_include_usage: bool = False
+    """--enable-force-include-usage: streams carry usage in every chunk and at the end even
+    when the client did not ask (vLLM 0.32's meaning)."""
+    enable_prompt_tokens_details: bool = False
+    """--enable-prompt-tokens-details: accepted; kvtier reports usage.prompt_tokens_details
+    (cached_tokens, by tier too) in every answer whether or not it is set."""
+    enable_log_requests: bool = False
+    """--enable-log-requests: each request's sampling params at INFO, its prompt at DEBUG
+    (kvtier.server.request_log.RequestLogger)."""
+    max_log_len: int | None = None
+    """--max-log-len: logged prompts are cut to this many characters / token ids (None: whole)."""
+    root_path: str = ""
+    """--root-path: the path prefix a proxy serves the API under (FastAPI's root_path)."""
+    ssl_keyfile: str | None = None
+    """--ssl-keyfile: serve HTTPS with this private key (and --ssl-certfile)."""
+    ssl_certfile: str | None = None
+    """--ssl-certfile: the certificate (chain) served with --ssl-keyfile."""
+    ssl_ca_certs: str | None = None
+    """--ssl-ca-certs: CA certificates uvicorn loads (for client certificates)."""
+    uvicorn_log_level: str | None = None
+    """--uvicorn-log-level: uvicorn's own log level (None: the server's --log-level)."""
+    disable_uvicorn_access_log: bool = False
+    """--disable-uvicorn-access-log: no access log line per HTTP request."""
+    enable_lora: bool = False
+    """--enable-lora: the engine serves LoRA adapters; requests name them as `model`, and
+    admins load and unload them (kvtier.server.lora_adapters)."""
+    lora_modules: tuple[tuple[str, str, str | None], ...] = ()
+    """--lora-modules: (name, PEFT directory, base_model_name or None) of each adapter the
+    engine loads at startup (ids 1..n, in order)."""
+
+    def __post_init__(self) -> None:
+        """Settings that cannot work are a ValueError (one line) before any model loads."""
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together: give both to serve HTTPS")
+        if self.ssl_ca_certs and not self.ssl_certfile:
+            raise ValueError("--ssl-ca-certs needs --ssl-keyfile and --ssl-certfile (it applies to HTTPS)")
+        if self.uvicorn_log_level is not None and self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"--uvicorn-log-level {self.uvicorn_log_level!r}: one of {', '.join(UVICORN_LOG_LEVELS)}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"--root-path {self.root_path!r}: a path such as /api/llm (a leading /, no trailing /)")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len {self.max_log_len}: must be >= 0")
+        if not self.response_role:
+            raise ValueError("--response-role must not be empty")
+        self._check_lora_modules()
+
+    def _check_lora_modules(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora (as in vLLM)")
+        seen: set[str] = set()
+        for name, path, _ in self.lora_modules:
+            if not name or name in seen:
+                raise ValueError(f"--lora-modules: the name {name!r} is {'given twice' if name else 'empty'}")
+            if name in (self.served_model_name, *self.model_aliases):
+                raise ValueError(f"--lora-modules {name}={path}: {name!r} is a served name of the base model")
+            if not (Path(path) / "adapter_config.json").is_file():
+                raise ValueError(
+                    f"--lora-modules {name}={path}: no adapter_config.json there (give the directory "
+                    "PEFT's save_pretrained wrote)"
+                )
+            seen.add(name)
+
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 MIN_KEY_CHECK_PERIOD_S = 0.1
@@ -160,7 +243,12 @@ def build_app(
     tenants' TTLs and quotas there); the app starts it at startup and shuts it down at
     shutdown. `request_log`: a RequestLog or None."""
     async_engine = engine
-    metrics = ServerMetrics(async_engine.stats_now, model_name=config.served_model_name, names=config.metrics_names)
+    metrics = ServerMetrics(
+        async_engine.stats_now,
+        model_name=config.served_model_name,
+        names=config.metrics_names,
+        max_model_len=async_engine.max_model_len,
+    )
 
     def on_finished(out: Any, itl_s: list[float]) -> None:
         metrics.observe_finished(out, itl_s)
@@ -187,6 +275,15 @@ def build_app(
     serving.structured_defaults = dict(config.structured_defaults)
     serving.on_structured_error = metrics.structured_output_error
     serving.strict_request_fields = config.strict_request_fields
+    serving.return_tokens_as_token_ids = config.return_tokens_as_token_ids
+    serving.response_role = config.response_role
+    serving.force_include_usage = config.enable_force_include_usage
+    if config.enable_log_requests:
+        from kvtier.server.request_log import RequestLogger
+
+        serving.request_logger = RequestLogger(config.max_log_len)
+    adapters = LoRAAdapters(async_engine, serving.model_names, config.enable_lora)
+    serving.adapters = adapters
     resolver = tenants or SingleTenantResolver()
     created = int(time.time())
 
@@ -215,6 +312,12 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        try:
+            await adapters.load_modules(config.lora_modules)
+        except BaseException as e:
+            logger.error("kvtier serve cannot start: %s", e)
+            async_engine.shutdown()
+            raise
         sweep = ttl_tenants or async_engine.has_tiers  # pending purges too
         tasks = [asyncio.ensure_future(sweeper())] if sweep else []
         key_check_s = async_engine.key_check_interval_s
@@ -227,9 +330,15 @@ def build_app(
                 task.cancel()
             async_engine.shutdown()
 
-    app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    from kvtier import __version__
+
+    # /openapi.json, /docs and /redoc as FastAPI builds them (as vLLM serves them)
+    app = FastAPI(title="kvtier", version=__version__, lifespan=lifespan)
+    app.root_path = config.root_path  # as vLLM (FastAPI's constructor argument is deprecated)
     app.state.engine = async_engine
     app.state.metrics = metrics
+    app.state.server_load_metrics = 0
+    """Completions and chat requests in flight (--enable-server-load-tracking; GET /load)."""
     _install_error_handlers(app)
     if config.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
@@ -271,30 +380,36 @@ def build_app(
             config.stream_stall_timeout_s,
         )
 
+    def unload() -> None:
+        app.state.server_load_metrics -= 1
+
     async def limited(request: Request, handle: Callable[[], Awaitable[Response]]) -> Response:
-        """`handle()` under the caller's per-key limits and the stream stall bound: a stream
-        keeps its slot until it ends."""
-        release = None
+        """`handle()` under the caller's per-key limits and the stream stall bound, counted in
+        /load's server load: a stream keeps its slot (and its count) until it ends."""
+        releases: list[Callable[[], None]] = []
         if limiter.enabled:
             key = _client_key(request, keys_checked)
             try:
-                release = limiter.acquire(key)
+                releases.append(limiter.acquire(key))
             except RateLimited as refusal:
                 await limiter.pace(key, refusal)
                 raise
+        if config.enable_server_load_tracking:
+            app.state.server_load_metrics += 1
+            releases.append(unload)
         try:
             response = await handle()
         except BaseException:
-            if release is not None:
+            for release in releases:
                 release()
             raise
         if isinstance(response, _CleanupStreamingResponse):
             response.stall_timeout_s = config.stream_stall_timeout_s or None
             response.on_stalled = stream_stalled
-            if release is not None:
-                response.also_cleanup.append(release)
-        elif release is not None:
-            release()
+            response.also_cleanup.extend(releases)
+        else:
+            for release in releases:
+                release()
         return response
 
     @app.post("/v1/completions")
@@ -324,6 +439,8 @@ def build_app(
 
         return await limited(request, handle)
 
+    install_responses_api(app, serving, tenant_of, limited, read_json, config.max_body_bytes)
+
     def authorize(request: Request, mode: str) -> None:
         """--metrics-auth / --models-auth: 'public', 'api_key' (a valid key) or 'admin'."""
         if mode == "admin":
@@ -346,8 +463,34 @@ def build_app(
                     "max_model_len": async_engine.max_model_len,
                 }
                 for name in (config.served_model_name, *config.model_aliases)
-            ],
+            ]
+            + adapters.cards(async_engine.max_model_len),
         }
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        """vLLM's: the engine loads the adapter at `lora_path` (a 400 with its reason when it
+        cannot), then requests may name it as `model` (admin)."""
+        require_admin(request)
+        adapters.check_enabled()
+        req = await read_json(request, config.max_body_bytes, then=lambda b: _validate(LoadLoRAAdapterRequest, b))
+        if req.is_3d_lora_weight:
+            raise APIError(
+                "is_3d_lora_weight (MoE LoRA weights) is not supported: kvtier serves LoRA on dense "
+                "models; leave it out",
+                param="is_3d_lora_weight",
+            )
+        await adapters.load(req.lora_name, req.lora_path, replace=req.load_inplace)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        """vLLM's: later requests naming the adapter get a 404 (admin)."""
+        require_admin(request)
+        adapters.check_enabled()
+        req = await read_json(request, config.max_body_bytes, then=lambda b: _validate(UnloadLoRAAdapterRequest, b))
+        await adapters.unload(req.lora_name, req.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -389,6 +532,31 @@ def build_app(
         if not async_engine.alive:
             return JSONResponse({"status": "engine not running"}, 503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/ping")
+    @app.post("/ping")
+    async def ping() -> Response:
+        """SageMaker's health check (GET or POST, as vLLM): /health's answer."""
+        return await health()
+
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's server load: completions and chat requests in flight (0 unless the server
+        runs with --enable-server-load-tracking, as vLLM answers)."""
+        return {"server_load": app.state.server_load_metrics}
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's one inference endpoint (as vLLM): a body with `messages` is a chat
+        completion, one with `prompt` a completion, one with `input` a Responses API call
+        (where /v1/responses is served); the answer is that route's."""
+        body = await read_body(request, config.max_body_bytes)
+        obj = (
+            parse_json_object(body)
+            if len(body) <= _INLINE_BODY_BYTES
+            else await asyncio.to_thread(parse_json_object, body)
+        )
+        return _Forward(_invocation_route(app, obj), body)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -485,6 +653,26 @@ def build_app(
         usage = await async_engine.usage(target)
         return JSONResponse({"object": "cache.usage", "tenant": target, "tiers": usage})
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        """vLLM's dev-mode endpoint, an admin one here: empty the prefix cache in
+        ?tiers=device,host,disk,remote (default device,host,disk: a shared remote tier only
+        when named). Blocks running requests hold stay on the device (`blocks_in_use`)."""
+        require_admin(request)
+        tiers = _reset_tiers(request)
+        try:
+            answer = await reset_engine_cache(async_engine, tiers)
+        except ValueError as e:
+            raise APIError(str(e), param="tiers") from None
+        failed = {name: t["error"] for name, t in answer["tiers"].items() if "error" in t}
+        body = {"object": "cache.reset", "success": not failed, **answer}
+        if not failed:
+            return JSONResponse(body)
+        err = APIError(
+            "the prefix cache reset is not complete: " + "; ".join(failed.values()), 503, type="server_error"
+        )
+        return JSONResponse({**err.body(), **body}, 503)
+
     @app.post("/admin/check_integrity")
     async def check_integrity(request: Request) -> Response:
         """Runs the engine's invariant checks once it is idle (for load tests). Needs an admin
@@ -511,10 +699,23 @@ async def read_json(
     precheck: Callable[[dict[str, Any]], Any] | None = None,
 ) -> Any:
     """The request body as a JSON object (`parse_json_object`'s checks, `precheck` first), or
-    `then(body)` of it;
-    413 past `max_bytes` (the rest is read and dropped, up to a bound, so the client sees the
-    answer rather than a reset connection). A body over 64 KiB is parsed and handed to `then`
+    `then(body)` of it; `read_body`'s errors. A body over 64 KiB is parsed and handed to `then`
     (validation) on a worker thread, so that a large one does not stall the event loop."""
+    body = await read_body(request, max_bytes)
+
+    def parse() -> Any:
+        obj = parse_json_object(body, precheck)
+        return obj if then is None else then(obj)
+
+    if len(body) <= _INLINE_BODY_BYTES:
+        return parse()
+    return await asyncio.to_thread(parse)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, declared JSON (a 415 otherwise); 413 past `max_bytes` (the rest is
+    read and dropped, up to a bound, so the client sees the answer rather than a reset
+    connection)."""
     declared = request.headers.get("content-length")
     too_big = declared is not None and declared.isdigit() and int(declared) > max_bytes
     body = bytearray()
@@ -534,14 +735,109 @@ async def read_json(
             f"the request body is larger than {max_bytes} bytes (--max-body-bytes)", 413, code="request_too_large"
         )
     _check_json_content_type(request)
+    return bytes(body)
 
-    def parse() -> Any:
-        obj = parse_json_object(bytes(body), precheck)
-        return obj if then is None else then(obj)
 
-    if len(body) <= _INLINE_BODY_BYTES:
-        return parse()
-    return await asyncio.to_thread(parse)
+INVOCATION_SHAPES = (
+    ("messages", "/v1/chat/completions", "a chat completion"),
+    ("prompt", "/v1/completions", "a completion"),
+    ("input", "/v1/responses", "a Responses API call"),
+)
+"""/invocations: (the body field that tells, the route that answers, what it is), first match
+wins (vLLM tries chat first, then completions)."""
+
+
+def _invocation_route(app: FastAPI, body: dict[str, Any]) -> Any:
+    """The POST route of this app that answers an /invocations `body`, or a 400 naming the
+    shapes this server takes (the Responses API only where /v1/responses is registered)."""
+    routes = {r.path: r for r in app.routes if isinstance(r, APIRoute) and "POST" in (r.methods or ())}
+    served = [shape for shape in INVOCATION_SHAPES if shape[1] in routes]
+    for field_name, path, _ in served:
+        if field_name in body:
+            return routes[path]
+    expected = "; ".join(f"`{f}` for {what} ({path})" for f, path, what in served)
+    extra = " (this server has no /v1/responses, so `input` is not taken)" if "input" in body else ""
+    raise APIError(
+        f"/invocations could not tell which API this body is for: it needs {expected}{extra}",
+        400,
+        code="unknown_invocation",
+    )
+
+
+class _Forward(Response):
+    """The answer of another route of this app (`route`) to this request, its body (read
+    already, `request_body`) handed to it again: the route's own auth, limits, errors and
+    streaming apply."""
+
+    def __init__(self, route: Any, request_body: bytes) -> None:
+        super().__init__()
+        self.route = route
+        self.request_body = request_body
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if replayed:
+                return await receive()  # disconnect detection, as for any request
+            replayed = True
+            return {"type": "http.request", "body": self.request_body, "more_body": False}
+
+        path = self.route.path
+        inner = {k: v for k, v in scope.items() if k not in ("fastapi", "route", "endpoint")}
+        inner.update(path=path, raw_path=path.encode())
+        _, child = self.route.matches(inner)
+        inner.update(child)
+        await self.route.handle(inner, replay, send)
+
+
+def _reset_tiers(request: Request) -> list[str]:
+    """The tiers a /reset_prefix_cache call clears: ?tiers=a,b (kvtier.engine.reset.TIERS),
+    else vLLM's reset_external=false alone: the device's, else DEFAULT_TIERS. A query parameter
+    it does not know, or reset_running_requests=true (vLLM's preemption of running requests,
+    not done here), is a 400."""
+    from kvtier.engine.reset import DEFAULT_TIERS, TIERS
+
+    params = request.query_params
+    unknown = sorted(set(params) - {"tiers", "reset_external", "reset_running_requests"})
+    if unknown:
+        raise APIError(
+            f"unknown query parameter {unknown[0][:100]!r}: /reset_prefix_cache takes tiers=NAME,... "
+            f"(of {', '.join(TIERS)})",
+            param=unknown[0][:100],
+        )
+    if _query_flag(params.get("reset_running_requests"), "reset_running_requests"):
+        raise APIError(
+            "reset_running_requests=true is not supported by kvtier: running requests keep their "
+            "blocks (counted in the answer as the device's blocks_in_use); leave it out",
+            param="reset_running_requests",
+        )
+    external = params.get("reset_external")
+    if "tiers" in params:
+        if external is not None:
+            raise APIError("give tiers or reset_external, not both", param="reset_external")
+        names = [t.strip() for t in params["tiers"].split(",") if t.strip()]
+        bad = [t for t in names if t not in TIERS]
+        if bad or not names:
+            shown = repr(bad[0][:100]) if bad else "none"
+            raise APIError(f"tiers: unknown tier {shown}; the tiers are {', '.join(TIERS)}", param="tiers")
+        return names
+    if external is not None and not _query_flag(external, "reset_external"):
+        return ["device"]
+    return list(DEFAULT_TIERS)
+
+
+def _query_flag(value: str | None, name: str) -> bool:
+    """A boolean query parameter as FastAPI reads one (true/false, 1/0, yes/no, on/off)."""
+    if value is None:
+        return False
+    text = value.lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise APIError(f"{name} must be true or false, not {value[:40]!r}", param=name)
 
 
 def _check_json_content_type(request: Request) -> None:
@@ -651,7 +947,11 @@ def run_server(
             app,
             host=config.host,
             port=config.port,
-            log_level=log_level,
+            log_level=config.uvicorn_log_level or log_level,
+            access_log=not config.disable_uvicorn_access_log,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
+            ssl_ca_certs=config.ssl_ca_certs,
             timeout_graceful_shutdown=5,
             http=limited_h11_protocol(limits),
         )

@@ -1,29 +1,36 @@
 """Prometheus metrics: the only module that turns the engine's stats into Prometheus series.
 
-Two sources:
-  * `EngineCollector` renders the engine's EngineStats (kvtier.engine.admin; read at each
-    scrape in process, or the engine process's copy fetched for the scrape): cache usage,
-    prefix cache queries/hits, preemptions, tier bytes and errors, restore decisions, queue
-    lengths;
-  * `ServerMetrics.observe_finished` observes the latency histograms (and counts recomputed
-    tokens) once per request, when it ends, from its final `RequestOutput`.
+Two sets, each in its own registry, shown by /metrics as --metrics-names says (kvtier, vllm
+or both):
+  * kvtier's, under `kvtier:` (`registry`): vLLM's request-level series under kvtier's prefix
+    plus kvtier's own (per tier, restores, drift), every one labelled model_name;
+  * vLLM 0.32's, under `vllm:` (`vllm_registry`, kvtier.server.vllm_metrics): vLLM's names,
+    types, labels (model_name, engine="0") and buckets, for vLLM's dashboards, alert rules and
+    routers.
+Each set has two sources:
+  * the engine's EngineStats (kvtier.engine.admin; read at each scrape in process, or the
+    engine process's copy fetched for the scrape), rendered by `EngineCollector` (kvtier:) and
+    `VllmEngineCollector` (vllm:) from one snapshot per render;
+  * `RequestSeries` (kvtier.server.request_metrics), observed once per request when it ends
+    from its final `RequestOutput` (`ServerMetrics.observe_finished`).
+Each app has its own registries, so several apps (tests) live in one process.
 
-Names follow vLLM's under the `kvtier:` prefix, and every series carries vLLM's `model_name`
-label (the served model name), so vLLM's Grafana dashboard works with only the prefix changed.
-Each app has its own `CollectorRegistry`, so several apps (tests) live in one process.
-
-vLLM's request-level set (all labelled model_name):
+kvtier's request-level set (all labelled model_name; the buckets are kvtier's, finer than
+vLLM's below a second):
     kvtier:prompt_tokens_total / generation_tokens_total   counters, tokens
     kvtier:iteration_tokens_total               histogram of tokens computed per engine step
     kvtier:request_queue_time_seconds / _prefill_time_seconds / _decode_time_seconds /
            _inference_time_seconds              histograms, per request
-    kvtier:request_prompt_tokens / _generation_tokens / _max_num_generation_tokens /
-           _params_n / _params_max_tokens       histograms, per request
+    kvtier:request_prompt_tokens / _max_num_generation_tokens / _params_n /
+           _params_max_tokens / _num_preemptions / _prefill_kv_computed_tokens
+                                                histograms, per request
+    kvtier:request_generation_tokens            histogram, per sample (each of n)
+    kvtier:request_success_total                finished_reason; per sample
     kvtier:time_per_output_token_seconds        histogram, per token (= inter_token_latency)
     kvtier:request_time_per_output_token_seconds  histogram, per request (decode time / tokens)
     kvtier:cache_config_info                    gauge 1, the cache configuration as labels
     kvtier:gpu_cache_usage_perc                 the device pool's kv_cache_usage_perc (the name
-                                                vLLM's dashboard reads)
+                                                vLLM's older dashboards read)
 
     series                                      labels          unit
     kvtier:kv_cache_usage_perc                  -               fraction of device blocks in use
@@ -52,15 +59,16 @@ vLLM's request-level set (all labelled model_name):
     kvtier:kv_drift_shadow_seconds_total        -               time spent in shadow forward passes
 (the kv_drift series exist only with --kv-drift-sample-rate > 0; see kvtier.engine.drift)
 
-Device queries count prompt tokens matched against the device index; a tier's queries count the
-tokens (blocks x block size) asked of it after the device missed, so hits/queries is each tier's
-own hit rate.
+kvtier's device queries count prompt tokens matched against the device index at each
+admission; a tier's queries count the tokens (blocks x block size) asked of it after the
+device missed, so hits/queries is each tier's own hit rate. (vLLM's prefix_cache_* count each
+request's first admission only: kvtier.server.vllm_metrics.)
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -68,126 +76,21 @@ from prometheus_client.registry import Collector
 
 from kvtier.engine.admin import DriftCounters, EngineStats
 from kvtier.outputs import RequestOutput
+from kvtier.server.request_metrics import BulkHistogram, RequestBuckets, RequestSeries
+from kvtier.server.vllm_metrics import (
+    ADMISSION_REJECTION_REASONS,
+    ENGINE,
+    INTER_TOKEN_LATENCY_BUCKETS_S,
+    VLLM_PREFIX,
+    VllmEngineCollector,
+)
 from kvtier.tiers.hierarchy import TIER_ORDER
 
 PREFIX = "kvtier:"
 METRIC_NAMES = ("kvtier", "vllm", "both")
-"""--metrics-names: the prefixes /metrics shows (vLLM's `vllm:` for its dashboards and routers)."""
-_VLLM_NAMES = re.compile(rb"^((?:# (?:HELP|TYPE) )?)kvtier:", re.MULTILINE)
+"""--metrics-names: the sets /metrics shows (vLLM's `vllm:` for its dashboards and routers)."""
 
-TTFT_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-ITL_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-E2E_BUCKETS_S = (
-    0.01,
-    0.05,
-    0.1,
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-)
 RESTORE_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-N_BUCKETS = (1, 2, 5, 10, 20)
-TPOT_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-PHASE_BUCKETS_S = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
 
 
 class EngineCollector(Collector):
@@ -351,69 +254,86 @@ def _bucket_histogram(
     return HistogramMetricFamily(PREFIX + name, doc, buckets=buckets, sum_value=total)
 
 
+class _PinnedStats:
+    """The engine's stats for one render: read once and shared by every collector (kvtier's and
+    vLLM's show one snapshot); read anew outside a render."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+        self._pinned: EngineStats | None = None
+
+    def __call__(self) -> EngineStats | None:
+        return self._pinned if self._pinned is not None else self._stats()
+
+    @contextmanager
+    def pinned(self) -> Iterator[None]:
+        self._pinned = self._stats()
+        try:
+            yield
+        finally:
+            self._pinned = None
+
+
 class ServerMetrics:
-    """The registry of one app: the engine collector plus per-request histograms. `stats`: the
-    engine's counters at render time (EngineClient.stats_now, or an EngineAdmin's `stats`).
-    Every series carries `model_name`."""
+    """The registries of one app: kvtier's (`registry`: the engine collector, per-request
+    series and kvtier's own; the app adds more to it) and vLLM's (`vllm_registry`). `stats`: the
+    engine's counters at render time (EngineClient.stats_now, or an EngineAdmin's `stats`);
+    `names`: which prefixes /metrics shows (METRIC_NAMES); `max_model_len`: the top of vLLM's
+    token-count buckets (None: kvtier's buckets)."""
 
     def __init__(
-        self, stats: Callable[[], EngineStats | None], model_name: str = "kvtier", names: str = "both"
+        self,
+        stats: Callable[[], EngineStats | None],
+        model_name: str = "kvtier",
+        names: str = "both",
+        max_model_len: int | None = None,
     ) -> None:
         if names not in METRIC_NAMES:
             raise ValueError(f"metrics names must be one of {', '.join(METRIC_NAMES)}, got {names!r}")
-        self.registry = CollectorRegistry()
         self.model_name = model_name
         self.names = names
-        self.registry.register(LabelledCollector(EngineCollector(stats), {"model_name": model_name}))
+        self._stats = _PinnedStats(stats)
+        self.registry = CollectorRegistry()
+        self.vllm_registry = CollectorRegistry()
+        self.registry.register(LabelledCollector(EngineCollector(self._stats), {"model_name": model_name}))
+        self.vllm_registry.register(VllmEngineCollector(self._stats, model_name))
+        self._series: list[RequestSeries] = []
+        if names != "vllm":
+            self._series.append(
+                RequestSeries(self.registry, PREFIX, {"model_name": model_name}, RequestBuckets.kvtier())
+            )
+        if names != "kvtier":
+            labels = {"model_name": model_name, "engine": ENGINE}
+            self._series.append(
+                RequestSeries(self.vllm_registry, VLLM_PREFIX, labels, RequestBuckets.vllm(max_model_len))
+            )
+            rejections = Counter(
+                VLLM_PREFIX + "admission_rejections",
+                "Requests refused by a queue limit (none: kvtier has no queue limits).",
+                ["model_name", "reason"],
+                registry=self.vllm_registry,
+            )
+            for reason in ADMISSION_REJECTION_REASONS:
+                rejections.labels(model_name, reason)
         r = self.registry
         m = ["model_name"]
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...], labels: list[str] = m) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
-
-        self.ttft = hist("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS_S)
-        self.itl = hist(
-            "inter_token_latency_seconds", "Time between the steps that gave a request tokens.", ITL_BUCKETS_S
-        )
-        self.tpot = hist(
-            "time_per_output_token_seconds",
+        self.tpot = BulkHistogram(
+            PREFIX + "time_per_output_token_seconds",
             "Time per output token (vLLM's older name of inter_token_latency_seconds; the same observations).",
-            TPOT_BUCKETS_S,
+            {"model_name": model_name},
+            INTER_TOKEN_LATENCY_BUCKETS_S,
         )
-        self.req_tpot = hist(
-            "request_time_per_output_token_seconds",
-            "Per request: decode time divided by the tokens after the first.",
-            TPOT_BUCKETS_S,
-        )
-        self.e2e = hist("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS_S)
-        self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", PHASE_BUCKETS_S)
-        self.prefill = hist("request_prefill_time_seconds", "First scheduled to first token.", PHASE_BUCKETS_S)
-        self.decode = hist("request_decode_time_seconds", "First token to last token.", PHASE_BUCKETS_S)
-        self.inference = hist("request_inference_time_seconds", "First scheduled to last token.", PHASE_BUCKETS_S)
-        self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
-        self.generation_tokens = hist(
-            "request_generation_tokens", "Generated tokens per request (all n samples).", TOKEN_BUCKETS
-        )
-        self.max_generation_tokens = hist(
-            "request_max_num_generation_tokens", "The most tokens one of a request's samples generated.", TOKEN_BUCKETS
-        )
-        self.params_n = hist("request_params_n", "The n of each request.", N_BUCKETS)
-        self.params_max_tokens = hist("request_params_max_tokens", "The max_tokens of each request.", TOKEN_BUCKETS)
-        self.restore = hist(
-            "restore_seconds",
+        r.register(self.tpot)
+        self.restore = Histogram(
+            PREFIX + "restore_seconds",
             "Seconds a request spent restoring KV from tiers "
             "below the device (queue wait included), by the deepest tier it read.",
-            RESTORE_BUCKETS_S,
             ["model_name", "tier"],
+            buckets=RESTORE_BUCKETS_S,
+            registry=r,
         )
         self.recomputed = Counter(
             PREFIX + "recomputed_tokens", "Prompt tokens computed rather than reused.", m, registry=r
-        )
-        self.requests = Counter(
-            PREFIX + "request_success",
-            "Requests that ended, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=r,
         )
         self.structured_errors = Counter(
             PREFIX + "structured_output_errors",
@@ -424,25 +344,7 @@ class ServerMetrics:
             registry=r,
         )
         self._max_tokens: dict[str, int] = {}
-        # the series exist (at zero) from the start, as vLLM's do
-        for metric in (
-            self.ttft,
-            self.itl,
-            self.tpot,
-            self.req_tpot,
-            self.e2e,
-            self.queue,
-            self.prefill,
-            self.decode,
-            self.inference,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.max_generation_tokens,
-            self.params_n,
-            self.params_max_tokens,
-            self.recomputed,
-        ):
-            metric.labels(model_name)
+        self.recomputed.labels(model_name)
 
     def note_request(self, request_id: str, max_tokens: int | None) -> None:
         """An engine request's max_tokens, for request_params_max_tokens when it ends (None:
@@ -454,41 +356,16 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput, itl_s: list[float]) -> None:
         """Called once per request when it ends (on the event loop: EngineClient.on_finished)."""
-        name = self.model_name
-        m = out.metrics
-        if m.ttft_s is not None:
-            self.ttft.labels(name).observe(m.ttft_s)
-        itl, tpot = self.itl.labels(name), self.tpot.labels(name)
-        for dt in itl_s:
-            itl.observe(dt)
-            tpot.observe(dt)
-        if m.e2e_s is not None:
-            self.e2e.labels(name).observe(m.e2e_s)
-        if m.queue_s is not None:
-            self.queue.labels(name).observe(m.queue_s)
-        if m.first_scheduled_time is not None and m.first_token_time is not None:
-            self.prefill.labels(name).observe(m.first_token_time - m.first_scheduled_time)
-        lengths = [len(c.token_ids) for c in out.outputs]
-        if m.first_token_time is not None and m.finished_time is not None:
-            decode_s = m.finished_time - m.first_token_time
-            self.decode.labels(name).observe(decode_s)
-            if lengths and max(lengths) > 1:
-                self.req_tpot.labels(name).observe(decode_s / (max(lengths) - 1))
-        if m.first_scheduled_time is not None and m.finished_time is not None:
-            self.inference.labels(name).observe(m.finished_time - m.first_scheduled_time)
-        self.prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
-        self.generation_tokens.labels(name).observe(sum(lengths))
-        self.max_generation_tokens.labels(name).observe(max(lengths, default=0))
-        self.params_n.labels(name).observe(max(len(out.outputs), 1))
         max_tokens = self._max_tokens.pop(out.request_id, None)
-        if max_tokens is not None:
-            self.params_max_tokens.labels(name).observe(max_tokens)
+        for series in self._series:
+            series.observe(out, itl_s, max_tokens)
+        name = self.model_name
+        if self.names != "vllm":
+            self.tpot.observe_many(itl_s)
         tier = _deepest_tier(out.cached_tokens_by_tier)
         if tier is not None:
             self.restore.labels(name, tier).observe(out.restore_s)
         self.recomputed.labels(name).inc(out.num_recomputed_tokens)
-        reason = out.outputs[0].finish_reason if out.outputs else None
-        self.requests.labels(name, reason or "abort").inc()
         for c in out.outputs:
             if c.finish_reason == "error":
                 self.structured_errors.labels(name, "decode").inc()
@@ -498,13 +375,12 @@ class ServerMetrics:
         self.structured_errors.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
-        """The exposition text, under `kvtier:`, `vllm:` or both (`names`): with both, every
-        family once per prefix, each family's lines together as the format requires."""
-        text = generate_latest(self.registry)
-        if self.names == "kvtier":
-            return text
-        renamed = _VLLM_NAMES.sub(rb"\1vllm:", text)
-        return renamed if self.names == "vllm" else text + renamed
+        """The exposition text: kvtier's series, vLLM's or both (`names`), from one snapshot
+        of the engine's stats."""
+        with self._stats.pinned():
+            kvtier = generate_latest(self.registry) if self.names != "vllm" else b""
+            vllm = generate_latest(self.vllm_registry) if self.names != "kvtier" else b""
+        return kvtier + vllm
 
 
 def _deepest_tier(by_tier: dict[str, int]) -> str | None:

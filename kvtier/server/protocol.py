@@ -9,7 +9,8 @@ that names the field, never silently ignored. vLLM's extra fields kvtier impleme
 names: `cache_salt`, `priority`, `ignore_eos`, `stop_token_ids`, `min_tokens`,
 `skip_special_tokens`, `include_stop_str_in_output`, `top_k`, `min_p`, `repetition_penalty`,
 `bad_words`, `allowed_token_ids`, `truncate_prompt_tokens`, `return_token_ids`,
-`stream_options.continuous_usage_stats`, and in chat `chat_template` and
+`return_tokens_as_token_ids`, `request_id`, `stream_options.continuous_usage_stats`, `echo`
+(completions, with `max_tokens` 0 too; and chat), and in chat `chat_template` and
 `continue_final_message`.
 """
 
@@ -217,9 +218,7 @@ TokenId = Annotated[int, Field(ge=0, le=I32_MAX)]
 """A token id as the edge takes it: the engine checks it against the vocabulary."""
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
-KNOWN_NEUTRAL_FIELDS = frozenset(
-    {"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "request_id"}
-)
+KNOWN_NEUTRAL_FIELDS = frozenset({"metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 """OpenAI/vLLM request fields kvtier does not model and that change nothing it computes
 (bookkeeping for the caller's platform): taken silently, also under --strict-request-fields."""
 
@@ -264,6 +263,12 @@ class _SamplingFields(_Strict):
     return_token_ids: bool = False
     """Add each choice's generated token ids (and, outside streams, the prompt's) to the
     response; in a stream, each chunk carries the ids of the tokens it delivers."""
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: logprobs name tokens `token_id:N` instead of their text (None: the server's
+    default, --return-tokens-as-token-ids)."""
+    request_id: str | None = None
+    """vLLM's: the request's id (the response's id is `cmpl-<it>` / `chatcmpl-<it>`, as with
+    an X-Request-Id header, which wins when both are sent); 1-128 printable ASCII characters."""
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -393,14 +398,14 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Count | None = 16
     logprobs: Count | None = None
     echo: bool = False
+    """The prompt starts each choice's text (and its logprobs, with `logprobs`); with
+    `max_tokens` 0 only the prompt comes back (one token is generated and dropped, as vLLM)."""
     best_of: Count | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo and self.stream:
-            bad.append("echo")  # echo streams are not implemented; echo without stream is
         if self.suffix:
             bad.append("suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -445,6 +450,7 @@ class ChatCompletionRequest(_SamplingFields):
     """End the prompt inside the last message (continue it) instead of opening a new turn;
     needs add_generation_prompt=false."""
     echo: bool = False
+    """vLLM's: the last message's content starts the reply when its role is the reply's."""
     documents: Any = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -453,8 +459,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        if self.echo:
-            bad.append("echo")
         if self.documents is not None:
             bad.append("documents")
         return bad
@@ -484,3 +488,27 @@ class TokenizeChatRequest(_Strict):
 class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body (kvtier.server.lora_adapters)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str
+    lora_path: str
+    """The adapter's PEFT directory, on the server's machine."""
+    load_inplace: bool = False
+    """Replace an adapter loaded under this name (its files read again, under a new id)."""
+    is_3d_lora_weight: bool = False
+    """vLLM's MoE adapter layout: kvtier serves no MoE LoRA, so true is a 400."""
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/unload_lora_adapter body."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = Field(None, ge=1, le=I64_MAX)
+    """When given, it must be the loaded adapter's id (a 404 otherwise)."""

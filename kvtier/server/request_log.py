@@ -1,4 +1,5 @@
-"""`--request-log FILE`: one JSON line per finished request, for traffic analysis.
+"""`--request-log FILE`: one JSON line per finished request, for traffic analysis; and
+`--enable-log-requests` (RequestLogger): each request as it arrives, in the log.
 
 Token ids, timestamps (wall clock, seconds), a hash of the tenant, cached tokens by tier, the
 restore decision. No text unless `include_text` (KV and prompts are user data).
@@ -101,3 +102,31 @@ class RequestLog:
             self._queue.put(None)
             self._writer.join(30.0)
         self._file.close()
+
+
+class RequestLogger:
+    """vLLM's --enable-log-requests, as vLLM 0.32 logs: each engine request at INFO with its
+    sampling params and prompt length, and at DEBUG its prompt (text and token ids, each cut
+    to `max_log_len` characters / ids: --max-log-len; None: whole). Prompts are user data, so
+    they need --log-level debug, as in vLLM."""
+
+    def __init__(self, max_log_len: int | None = None) -> None:
+        self.max_log_len = max_log_len
+        self.logger = logging.getLogger("kvtier.server.requests")
+        if not self.logger.isEnabledFor(logging.INFO):
+            self.logger.warning(
+                "--enable-log-requests is set but the log level is above INFO: no request will be logged"
+            )
+
+    def log(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: Any) -> None:
+        if self.logger.isEnabledFor(logging.DEBUG):
+            cut = self.max_log_len
+            self.logger.debug(
+                "Request %s details: prompt: %r, prompt_token_ids: %s.",
+                request_id,
+                prompt if cut is None or prompt is None else prompt[:cut],
+                prompt_token_ids if cut is None else prompt_token_ids[:cut],
+            )
+        self.logger.info(
+            "Received request %s: params: %s, num_prompt_tokens: %d.", request_id, params, len(prompt_token_ids)
+        )

@@ -72,15 +72,27 @@ def kvtier_extras(outs: Sequence[RequestOutput]) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ logprobs
 class TokenText:
-    """Token id -> its text, for logprobs (special tokens shown)."""
+    """Token id -> how logprobs name it (`__call__`: its text, special tokens shown) and its
+    text (`text`: what text offsets and chat `bytes` count)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def __call__(self, token_id: int) -> str:
+    def text(self, token_id: int) -> str:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def __call__(self, token_id: int) -> str:
+        return self.text(token_id)
+
+
+class TokenIdText(TokenText):
+    """vLLM's return_tokens_as_token_ids: logprobs name each token `token_id:N` (text offsets
+    still count the tokens' text)."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
 
 
 def completion_logprobs(
@@ -92,12 +104,11 @@ def completion_logprobs(
     tokens, lps, tops, offsets = [], [], [], []
     pos = text_offset
     for tid, top in zip(c.token_ids[start:], c.logprobs[start:]):
-        s = token_text(tid)
-        tokens.append(s)
+        tokens.append(token_text(tid))
         lps.append(top.get(tid))
         tops.append({token_text(t): lp for t, lp in top.items()})
         offsets.append(pos)
-        pos += len(s)
+        pos += len(token_text.text(tid))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -107,12 +118,11 @@ def echo_logprobs(o: RequestOutput, token_text: TokenText) -> dict[str, Any]:
     pos = 0
     plp = o.prompt_logprobs or [None] * len(o.prompt_token_ids)
     for tid, top in zip(o.prompt_token_ids, plp):
-        s = token_text(tid)
-        tokens.append(s)
+        tokens.append(token_text(tid))
         lps.append(None if top is None else top.get(tid))
         tops.append(None if top is None else {token_text(t): lp for t, lp in top.items()})
         offsets.append(pos)
-        pos += len(s)
+        pos += len(token_text.text(tid))
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -132,17 +142,18 @@ def prompt_logprobs_body(o: RequestOutput, token_text: TokenText) -> list[Any] |
 
 
 def chat_logprobs(c: CompletionOutput, start: int, num_top: int, token_text: TokenText) -> dict[str, Any] | None:
+    """`bytes` of the chosen token are its text's (also as `token_id:N`, as vLLM), those of the
+    top alternatives their names'."""
     if c.logprobs is None:
         return None
     content = []
     for tid, top in zip(c.token_ids[start:], c.logprobs[start:]):
-        s = token_text(tid)
         ranked = sorted(top.items(), key=lambda kv: -kv[1])[:num_top]
         content.append(
             {
-                "token": s,
+                "token": token_text(tid),
                 "logprob": top.get(tid),
-                "bytes": list(s.encode("utf-8")),
+                "bytes": list(token_text.text(tid).encode("utf-8")),
                 "top_logprobs": [
                     {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode("utf-8"))}
                     for t, lp in ranked
@@ -163,14 +174,19 @@ def completion_body(
     return_token_ids: bool = False,
     echo: bool = False,
     prompt_texts: Sequence[str] | None = None,
+    echo_only: bool = False,
 ) -> dict[str, Any]:
-    """`echo`: each choice's text (and logprobs) starts with its prompt's (`prompt_texts`)."""
+    """`echo`: each choice's text (and logprobs) starts with its prompt's (`prompt_texts`);
+    `echo_only` (max_tokens 0): it is the prompt's alone."""
     choices = []
     for p, o in enumerate(outs):
         for c in o.outputs:
             lp = completion_logprobs(c, 0, 0, token_text)
             text = c.text
-            if echo:
+            if echo and echo_only:
+                text = prompt_texts[p] if prompt_texts is not None else ""
+                lp = None if lp is None else echo_logprobs(o, token_text)
+            elif echo:
                 prompt = prompt_texts[p] if prompt_texts is not None else ""
                 text = prompt + text
                 if lp is not None:
@@ -214,11 +230,12 @@ def chat_body(
     num_top: int,
     token_text: TokenText,
     return_token_ids: bool = False,
+    role: str = "assistant",
 ) -> dict[str, Any]:
     choices: list[dict[str, Any]] = [
         {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": {"role": role, "content": c.text},
             "logprobs": chat_logprobs(c, 0, num_top, token_text),
             "finish_reason": finish_reason(c.finish_reason),
             "stop_reason": c.stop_reason,

@@ -5,11 +5,15 @@ Every handler follows one path::
     check model and fields -> prompts (token ids) -> SamplingParams -> engine.add (all or none)
       -> stream:     SSE chunks as outputs arrive (abort on disconnect: the response's cleanup)
       -> non-stream: wait for the final outputs, racing the client's disconnect
+
+A `model` that names a LoRA adapter takes the same path on a view of the server whose requests
+run the adapter and whose answers carry its name (`OpenAIServing.for_model`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
@@ -34,6 +38,8 @@ from kvtier.server.protocol import APIError, ChatCompletionRequest, CompletionRe
 from kvtier.server.tenancy import Tenant, tenant_hash
 
 if TYPE_CHECKING:
+    from kvtier.lora import LoRARequest
+    from kvtier.server.lora_adapters import LoRAAdapters
     from kvtier.server.template_procs import TemplateProcesses
 
 logger = logging.getLogger("kvtier.server")
@@ -81,6 +87,17 @@ class OpenAIServing:
     app's kvtier:structured_output_errors_total)."""
     _grammar_checker: Any = None
     """A kvtier.structured.GrammarCompiler for this tokenizer: the pre-validation's (cached)."""
+    return_tokens_as_token_ids: bool = False
+    """--return-tokens-as-token-ids: logprobs name tokens `token_id:N` unless a request's
+    `return_tokens_as_token_ids` says otherwise."""
+    response_role: str = "assistant"
+    """--response-role: the role of chat replies when add_generation_prompt is true (else the
+    last message's role)."""
+    force_include_usage: bool = False
+    """--enable-force-include-usage: streams carry usage in every chunk and at the end, asked
+    for or not (vLLM's meaning)."""
+    request_logger: Any = None
+    """--enable-log-requests: a kvtier.server.request_log.RequestLogger, or None."""
 
     def __init__(
         self,
@@ -118,8 +135,15 @@ class OpenAIServing:
         max_tokens, for what a request leaves out (vLLM's --generation-config auto)."""
         """on_added(engine request id, max_tokens) for each request the engine took."""
         self.max_model_len = max_model_len
+        self.adapters: LoRAAdapters | None = None
+        """The LoRA adapters requests may name as `model` (kvtier.server.lora_adapters)."""
+        self.lora_request: LoRARequest | None = None
+        """The adapter every request of this serving runs with: set only on an adapter's view
+        (`for_model`), None for the base model."""
+        self._views: dict[str, OpenAIServing] = {}
         self.limits = limits or RequestLimits()
         self.token_text = R.TokenText(tokenizer)
+        self.token_id_text = R.TokenIdText(tokenizer)
         chars_per_token = getattr(tokenizer, "max_chars_per_token", None)
         self.max_text_chars: int | None = None if chars_per_token is None else max_model_len * chars_per_token
         """Longer text cannot fit in the context whatever it tokenizes to: rejected untokenized."""
@@ -141,6 +165,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/completions
     async def completions(self, req: CompletionRequest, tenant: Tenant, raw: Request) -> Response:
+        adapter = self.for_model(req.model)
+        if adapter is not None:
+            return await adapter.completions(req, tenant, raw)
         self._check_common(req)
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
         num_prompts = 1 if isinstance(req.prompt, str) or _is_token_list(req.prompt) else len(req.prompt)
@@ -150,28 +177,44 @@ class OpenAIServing:
             for text in texts:
                 self._check_text_fits(text, "prompt")
         prompts = await _off_loop(self._completion_prompts, req.prompt, chars=sum(map(len, texts)))
-        request_id, engine_id = _request_ids("cmpl", raw)
+        request_id, engine_id, headers = _request_ids("cmpl", raw, req.request_id)
         prompts = self._truncate(prompts, req.truncate_prompt_tokens)
-        params = [self._params(req, ids, req.max_tokens, req.logprobs) for _, ids in prompts]
+        echo_only = req.echo and req.max_tokens == 0  # the prompt alone: one token made and dropped
+        if req.max_tokens == 0 and not req.echo:
+            raise APIError(
+                "max_tokens 0 generates nothing: it goes with echo=true (the prompt back, with its "
+                "logprobs when `logprobs` is set)",
+                param="max_tokens",
+            )
+        params = [self._params(req, ids, 1 if echo_only else req.max_tokens, req.logprobs) for _, ids in prompts]
         await self._check_structured(params, req.structured()[1])
         if req.echo and req.logprobs is not None:  # the prompt's logprobs come back with it
             for sp in params:
                 sp.prompt_logprobs = max(sp.prompt_logprobs or 0, req.logprobs)
         streams = await self._add(engine_id, prompts, params, req, tenant, stream=req.stream)
         created = int(time.time())
-        if req.stream:
-            include_usage, continuous = _usage_options(req)
-            gen = self._stream_completion(
-                request_id, created, streams, params, include_usage, req.return_token_ids, continuous
-            )
-            return _streaming(gen, self.engine, streams)
-        outs = await self._wait_final(streams, raw)
+        token_text = self._token_text(req)
         echo_texts = None
         if req.echo:
             echo_texts = [
                 text if text is not None else (self.tokenizer.decode(ids, False) if self.tokenizer is not None else "")
                 for text, ids in prompts
             ]
+        if req.stream:
+            include_usage, continuous = self._usage_options(req)
+            gen = self._stream_completion(
+                request_id,
+                created,
+                streams,
+                params,
+                include_usage,
+                req.return_token_ids,
+                continuous,
+                token_text,
+                _Echo(echo_texts, echo_only) if echo_texts is not None else None,
+            )
+            return _streaming(gen, self.engine, streams, headers)
+        outs = await self._wait_final(streams, raw)
         return JSONResponse(
             R.completion_body(
                 request_id,
@@ -179,11 +222,13 @@ class OpenAIServing:
                 created,
                 outs,
                 req.n,
-                self.token_text,
+                token_text,
                 req.return_token_ids,
                 echo=req.echo,
                 prompt_texts=echo_texts,
-            )
+                echo_only=echo_only,
+            ),
+            headers=headers,
         )
 
     def _completion_prompts(self, prompt: Any) -> list[Prompt]:
@@ -219,31 +264,55 @@ class OpenAIServing:
         include_usage: bool,
         return_token_ids: bool = False,
         continuous_usage: bool = False,
+        token_text: R.TokenText | None = None,
+        echo: _Echo | None = None,
     ) -> AsyncIterator[str]:
         # a chunk per engine step with new tokens whenever the client can use one without text:
         # logprobs or token ids asked for, or no tokenizer (every text delta empty), as vLLM does
         per_step = return_token_ids or self.tokenizer is None
+        token_text = token_text or self.token_text
         finals: list[RequestOutput | None] = [None] * len(streams)
         texts: dict[int, StreamText] = {}
         sent_tokens: dict[int, int] = {}
         done: set[int] = set()
+        echoed: set[int] = set()
         async for p, out in _merged(streams):
             sp = params[p]
             for c in out.outputs:
                 idx = p * sp.n + c.index
                 if idx in done:
                     continue
+                if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
+                    raise StructuredOutputFailed(_structured_failure(c))
+                # echo: the prompt (and its logprobs, which come with the first tokens) opens the
+                # choice; until then nothing of it is sent (outputs are cumulative: no loss)
+                head, head_lp = "", None
+                if echo is not None and idx not in echoed:
+                    if (echo.only and not c.finished) or (
+                        sp.logprobs is not None and out.prompt_logprobs is None and not out.finished
+                    ):
+                        continue
+                    head = echo.texts[p]
+                    head_lp = R.echo_logprobs(out, token_text) if sp.logprobs is not None else None
+                    echoed.add(idx)
                 st = texts.get(idx)
                 if st is None:
                     st = texts[idx] = StreamText()
-                if c.finish_reason == "error":  # no "stop" chunk: the stream ends with the error
-                    raise StructuredOutputFailed(_structured_failure(c))
                 delta = st.finish(c.text) if c.finished else st.update(c.text)
+                if echo is not None and echo.only:
+                    delta = ""  # the one token made is dropped
                 start = sent_tokens.get(idx, 0)
                 new_tokens = len(c.token_ids) > start
-                if not (delta or c.finished or (new_tokens and (per_step or sp.logprobs is not None))):
+                if not (head or delta or c.finished or (new_tokens and (per_step or sp.logprobs is not None))):
                     continue
-                lp = R.completion_logprobs(c, start, len(st.sent) - len(delta), self.token_text)
+                shift = len(echo.texts[p]) if echo is not None else 0
+                lp = (
+                    None
+                    if echo is not None and echo.only
+                    else R.completion_logprobs(c, start, shift + len(st.sent) - len(delta), token_text)
+                )
+                if head_lp is not None:
+                    lp = head_lp if lp is None else {k: head_lp[k] + lp[k] for k in head_lp}
                 sent_tokens[idx] = len(c.token_ids)
                 if c.finished:
                     done.add(idx)
@@ -252,7 +321,7 @@ class OpenAIServing:
                     self.model_name,
                     created,
                     idx,
-                    delta,
+                    head + delta,
                     c.finish_reason,
                     lp,
                     c.stop_reason,
@@ -275,6 +344,9 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ /v1/chat/completions
     async def chat(self, req: ChatCompletionRequest, tenant: Tenant, raw: Request) -> Response:
+        adapter = self.for_model(req.model)
+        if adapter is not None:
+            return await adapter.chat(req, tenant, raw)
         self._check_common(req)
         if self.tokenizer is None:
             raise APIError(
@@ -316,16 +388,20 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         num_top = req.top_logprobs or 0
         ids = self._truncate([(None, ids)], req.truncate_prompt_tokens)[0][1]
-        params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None, tool_spec)]
+        # a parser whose call markers are special tokens reads them in the text, as vLLM keeps them
+        keep = mode == "auto" and bool(getattr(self.tool_parser, "keep_special_tokens", False))
+        params = [self._params(req, ids, max_tokens, num_top if req.logprobs else None, tool_spec, keep)]
         await self._check_structured(params, "tool_choice" if tool_spec is not None else req.structured()[1])
-        tool_state = (mode, fname, self.tool_parser if mode == "auto" else None)
-        request_id, engine_id = _request_ids("chatcmpl", raw)
+        tool_state = (mode, fname, T.for_request(self.tool_parser, req.tools) if mode == "auto" else None)
+        request_id, engine_id, headers = _request_ids("chatcmpl", raw, req.request_id)
         streams = await self._add(
             engine_id, [(None, ids)], params, req, tenant, prompt_param="messages", stream=req.stream
         )
         created = int(time.time())
+        role = self.response_role if req.add_generation_prompt else req.messages[-1].role
+        echo = _chat_echo(req, role)
         if req.stream:
-            include_usage, continuous = _usage_options(req)
+            include_usage, continuous = self._usage_options(req)
             gen = self._stream_chat(
                 request_id,
                 created,
@@ -337,20 +413,30 @@ class OpenAIServing:
                 continuous,
                 kept_prompt_tokens(len(ids), params[0].truncate_prompt_tokens, self.max_model_len),
                 tool_state,
+                _ChatReply(role, echo, self._token_text(req)),
             )
-            return _streaming(gen, self.engine, streams)
+            return _streaming(gen, self.engine, streams, headers)
         outs = await self._wait_final(streams, raw)
         body = R.chat_body(
-            request_id, self.model_name, created, outs[0], num_top, self.token_text, req.return_token_ids
+            request_id,
+            self.model_name,
+            created,
+            outs[0],
+            num_top,
+            self._token_text(req),
+            req.return_token_ids,
+            role=role,
         )
         for choice in body["choices"]:
             content, calls = T.tool_message(choice["message"]["content"], *tool_state)
+            choice["message"]["content"] = content  # the text itself when no calls (harmony: its content)
             if calls:
-                choice["message"]["content"] = content
                 choice["message"]["tool_calls"] = [c.body() for c in calls]
                 if choice["finish_reason"] == "stop" and tool_state[0] != "named":
                     choice["finish_reason"] = "tool_calls"  # auto, required; a named call stays "stop" (vLLM, OpenAI)
-        return JSONResponse(body)
+            if echo:
+                choice["message"]["content"] = echo + (choice["message"]["content"] or "")
+        return JSONResponse(body, headers=headers)
 
     def _encode_chat(self, req: ChatCompletionRequest, with_tools: bool = True) -> list[int]:
         """Render the template, check the text can fit, then tokenize (the template can drop
@@ -412,9 +498,12 @@ class OpenAIServing:
         continuous_usage: bool = False,
         num_prompt_tokens: int = 0,
         tool_state: tuple[str, str | None, Any] = ("none", None, None),
+        reply: _ChatReply | None = None,
     ) -> AsyncIterator[str]:
         from kvtier.server.tools import ToolStream
 
+        reply = reply or _ChatReply("assistant", "", self.token_text)
+        token_text = reply.token_text
         tool_streams = {i: ToolStream(*tool_state) for i in range(sp.n)}
         texts: dict[int, StreamText] = {}
         sent_tokens: dict[int, int] = {}
@@ -422,7 +511,12 @@ class OpenAIServing:
         final: RequestOutput | None = None
         for i in range(sp.n):  # the role first, as OpenAI does
             texts[i] = StreamText()
-            chunk = R.chat_chunk(request_id, self.model_name, created, i, {"role": "assistant", "content": ""}, None)
+            chunk = R.chat_chunk(request_id, self.model_name, created, i, {"role": reply.role, "content": ""}, None)
+            if continuous_usage:
+                chunk["usage"] = _running_usage(num_prompt_tokens, 0)
+            yield R.sse(chunk)
+        for i in range(sp.n if reply.echo else 0):  # echo: the last message's content, as vLLM
+            chunk = R.chat_chunk(request_id, self.model_name, created, i, {"content": reply.echo}, None)
             if continuous_usage:
                 chunk["usage"] = _running_usage(num_prompt_tokens, 0)
             yield R.sse(chunk)
@@ -438,24 +532,17 @@ class OpenAIServing:
                 new_tokens = len(c.token_ids) > start
                 if not (delta or c.finished or (new_tokens and (return_token_ids or sp.logprobs is not None))):
                     continue
-                lp = R.chat_logprobs(c, start, num_top, self.token_text)
+                lp = R.chat_logprobs(c, start, num_top, token_text)
                 sent_tokens[c.index] = len(c.token_ids)
                 if c.finished:
                     done.add(c.index)
                 message: dict[str, Any] = {"content": delta} if delta else {}
                 reason = c.finish_reason
                 ts = tool_streams[c.index]
-                if ts.active:  # tool calls: content until a call starts, the calls at the end
-                    safe = ts.feed(delta)
-                    message = {"content": safe} if safe else {}
-                    if c.finished:
-                        rest, calls = ts.finish()
-                        if rest:
-                            message["content"] = rest
-                        if calls:
-                            message["tool_calls"] = [call.body(k) for k, call in enumerate(calls)]
-                            if reason == "stop" and ts.mode != "named":  # vLLM, OpenAI: named stays "stop"
-                                reason = "tool_calls"
+                if ts.active:  # tool calls: content outside calls, a call's name then its argument fragments
+                    message = ts.step(delta, c.finished)
+                    if c.finished and ts.called and reason == "stop" and ts.mode != "named":
+                        reason = "tool_calls"  # vLLM, OpenAI: a named call stays "stop"
                     if not message and not c.finished and not (return_token_ids or sp.logprobs is not None):
                         continue
                 chunk = R.chat_chunk(
@@ -562,6 +649,35 @@ class OpenAIServing:
         return {"prompt": text}
 
     # ------------------------------------------------------------------ shared
+    def for_model(self, model: str | None) -> OpenAIServing | None:
+        """This serving as the LoRA adapter `model` names: a copy whose requests run the adapter
+        and whose answers carry its name (`model`), kept while the adapter stays loaded. None
+        for no model, a base model name, a name nothing serves (_check_common's 404) and on a
+        view already: the base model's path costs one lookup."""
+        if model is None or model in self.model_names or self.adapters is None or self.lora_request is not None:
+            return None
+        lora = self.adapters.get(model)
+        if lora is None:
+            self._views.pop(model, None)  # unloaded
+            return None
+        view = self._views.get(model)
+        if view is None or view.lora_request is not lora:
+            view = copy.copy(self)
+            view.model_name, view.model_names, view.lora_request, view._views = model, (model,), lora, {}
+            self._views[model] = view
+        return view
+
+    def _token_text(self, req: _SamplingFields) -> R.TokenText:
+        """How this request's logprobs name tokens: `token_id:N` with return_tokens_as_token_ids
+        (the request's, else the server's default), else their text."""
+        as_ids = req.return_tokens_as_token_ids
+        return (
+            self.token_id_text if (self.return_tokens_as_token_ids if as_ids is None else as_ids) else self.token_text
+        )
+
+    def _usage_options(self, req: _SamplingFields) -> tuple[bool, bool]:
+        return _usage_options(req, self.force_include_usage)
+
     def _truncate(self, prompts: list[Prompt], keep: int | None) -> list[Prompt]:
         """truncate_prompt_tokens applied here, before the engine sees the request (the engine's
         own rule, kvtier.engine.input.truncate_prompt), so that usage, echo and the request log
@@ -619,6 +735,8 @@ class OpenAIServing:
                 code="model_not_found",
             )
         self._check_ignored_fields(req)
+        if req.request_id is not None and not valid_request_id(req.request_id):
+            raise APIError("request_id must be 1-128 printable ASCII characters without spaces", param="request_id")
         bad = req.unsupported()
         if bad:
             raise APIError(f"{bad[0]} is not supported by kvtier; leave it out (or at its default)", param=bad[0])
@@ -679,6 +797,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         structured_spec: dict[str, Any] | None = None,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
         from kvtier.structured import StructuredOutputsParams
 
@@ -709,7 +828,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 min_tokens=req.min_tokens,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
@@ -778,9 +897,13 @@ class OpenAIServing:
                 priority=req.priority,
                 prompt=text,
                 stream=stream,
+                lora_request=self.lora_request,
             )
             for p, ((text, ids), sp) in enumerate(zip(prompts, params))
         ]
+        if self.request_logger is not None:
+            for spec in specs:
+                self.request_logger.log(spec.request_id, spec.prompt, spec.prompt_token_ids, spec.params)
         if self.request_log is not None:
             th = tenant_hash(tenant.name)
             for spec in specs:
@@ -866,25 +989,63 @@ def valid_request_id(rid: str) -> bool:
     return _REQUEST_ID.fullmatch(rid) is not None
 
 
-def _request_ids(prefix: str, raw: Request) -> tuple[str, str]:
-    """(the id the response carries, the engine's id): `prefix-<X-Request-Id>` when the client
-    sent a usable one (the engine's id then gets a random suffix: two clients may send the same
-    header), else a random id for both."""
+def _request_ids(prefix: str, raw: Request, body_id: str | None = None) -> tuple[str, str, dict[str, str] | None]:
+    """(the id the response carries, the engine's id, headers for the response): as vLLM,
+    `prefix-<id>` with the client's id, the X-Request-Id header's when it sent a usable one
+    (the middleware echoes it), else the body's `request_id` (then sent back as X-Request-Id),
+    else a random id for both. A client's id gets a random suffix in the engine: two clients
+    may send the same one at once."""
     rid = raw.headers.get("x-request-id")
-    if rid is not None and valid_request_id(rid):
+    headers = None
+    if rid is None or not valid_request_id(rid):
+        rid, headers = body_id, None if body_id is None else {"X-Request-Id": body_id}
+    if rid is not None:
         public = f"{prefix}-{rid}"
-        return public, f"{public}.{uuid.uuid4().hex[:12]}"
+        return public, f"{public}.{uuid.uuid4().hex[:12]}", headers
     public = f"{prefix}-{uuid.uuid4().hex}"
-    return public, public
+    return public, public, None
 
 
-def _usage_options(req: _SamplingFields) -> tuple[bool, bool]:
+def _usage_options(req: _SamplingFields, force: bool = False) -> tuple[bool, bool]:
     """(include_usage, continuous_usage_stats): vLLM's stream_options; the running usage in
-    every chunk needs include_usage too, as in vLLM."""
+    every chunk needs include_usage too, as in vLLM. `force` (--enable-force-include-usage):
+    both, whatever the request says (vLLM 0.32)."""
     opts = req.stream_options
+    if force:
+        return True, True
     if opts is None:
         return False, False
     return opts.include_usage, opts.include_usage and opts.continuous_usage_stats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Echo:
+    """A completions stream's echo: each prompt's text (by prompt index); `only`: max_tokens 0,
+    the prompt alone."""
+
+    texts: list[str]
+    only: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _ChatReply:
+    """How a chat stream speaks: the reply's role, the echoed text ("" for none), how logprobs
+    name tokens."""
+
+    role: str
+    echo: str
+    token_text: R.TokenText
+
+
+def _chat_echo(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's content (text parts joined by newlines) when its
+    role is the reply's, else ""."""
+    if not req.echo:
+        return ""
+    last = req.messages[-1]
+    if last.role != role or last.content is None:
+        return ""
+    return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content)
 
 
 def _running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -970,12 +1131,14 @@ def _abort_unfinished(engine: EngineClient, streams: list[RequestStream]) -> Non
             engine.abort(s.request_id)
 
 
-def _streaming(gen: AsyncIterator[str], engine: EngineClient, streams: list[RequestStream]) -> Response:
+def _streaming(
+    gen: AsyncIterator[str], engine: EngineClient, streams: list[RequestStream], headers: dict[str, str] | None = None
+) -> Response:
     return _CleanupStreamingResponse(
         gen,
         cleanup=lambda: _abort_unfinished(engine, streams),
         media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
     )
 
 

@@ -7,43 +7,64 @@
     "auto"             free text (needs --enable-auto-tool-choice      the --tool-call-parser's
                        and --tool-call-parser, as in vLLM)             format, else content
 
-Parsers for the formats of the families kvtier serves:
-    hermes (Qwen 2/2.5/3, Hermes)   <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-    llama3_json (Llama 3.x)         {"name": ..., "parameters": {...}} (optionally after <|python_tag|>)
-    mistral                         [TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]
+The formats of --tool-call-parser are in tool_parsers.py and tool_parsers_text.py (PARSERS
+below names them). A stream sends a call as vLLM does: its first delta carries index, id, type
+and function.name (and the arguments so far), later ones only function.arguments fragments,
+which add up to the non-streamed arguments exactly; text outside calls streams as content.
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from kvtier.server.protocol import APIError
+from kvtier.server.tool_json import JsonReader
+from kvtier.server.tool_parsers import (
+    CallDraft,
+    DeepSeekV3Parser,
+    Draft,
+    Granite20bFCParser,
+    GraniteParser,
+    HarmonyParser,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ToolCall,
+    ToolParser,
+    new_call_id,
+)
+from kvtier.server.tool_parsers_text import PythonicParser, Qwen3CoderParser
+
+__all__ = ["PARSERS", "ToolCall", "ToolParser", "ToolStream", "make_parser", "tool_message"]
+
+log = logging.getLogger(__name__)
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "deepseek_v3": DeepSeekV3Parser,
+    "granite": GraniteParser,
+    "granite-20b-fc": Granite20bFCParser,
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+    "llama4_json": Llama3JsonParser,
+    "mistral": MistralParser,
+    "openai": HarmonyParser,
+    "pythonic": PythonicParser,
+    "qwen": HermesParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "qwen3_json": HermesParser,
+    "qwen3_xml": Qwen3CoderParser,
+}
+"""--tool-call-parser names: vLLM 0.32's for these formats (it aliases llama4_json to
+llama3_json, qwen3_json to hermes, qwen3_xml to qwen3_coder), and kvtier's older "qwen"."""
 
 
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str
-    """The arguments as JSON text (OpenAI's shape)."""
-    id: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            self.id = f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
-
-    def body(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        if index is not None:
-            out["index"] = index
-        return out
+def make_parser(name: str) -> ToolParser:
+    try:
+        return PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"unknown --tool-call-parser {name!r} (choose from {', '.join(sorted(PARSERS))})") from None
 
 
 def check_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> tuple[str, str | None]:
@@ -116,180 +137,110 @@ def constraint(tools: list[dict[str, Any]], mode: str, name: str | None) -> dict
 
 def read_constrained(text: str, mode: str, name: str | None) -> list[ToolCall]:
     """The tool calls of an output generated under `constraint`. A named call is a call
-    whatever its text (as vLLM: arguments cut short by max_tokens stay as they are, and
-    finish_reason 'length' says so); a `required` list cut short is not valid JSON: no calls,
-    the text stays content."""
-    if mode == "named":
-        try:
-            return [ToolCall(name or "", json.dumps(json.loads(text), ensure_ascii=False))]
-        except ValueError:
-            return [ToolCall(name or "", text)]
-    try:
-        value = json.loads(text)
-    except ValueError:
+    whatever its text, its arguments the text as generated (as vLLM: arguments cut short by
+    max_tokens stay as they are, and finish_reason 'length' says so); a `required` list cut
+    short is not valid JSON: no calls, the text stays content."""
+    draft = _constrained_draft(mode, name)(text, True, {})
+    if draft.failed:
         return []
-    return [
-        ToolCall(item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False))
-        for item in value
-        if isinstance(item, dict) and isinstance(item.get("name"), str)
-    ]
+    return [ToolCall(c.name or "", c.arguments) for c in draft.calls]
 
 
-class ToolParser:
-    """Reads tool calls out of free text in one model family's format."""
-
-    name = ""
-    start = ""
-    """Text that opens a tool call: a stream holds back what follows it until the end."""
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        """(content left, calls); no calls leaves the text as content."""
-        raise NotImplementedError
+Reader = Callable[[str, bool, dict[Any, Any]], Draft]
 
 
-def _call(obj: Any, args_key: str = "arguments") -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
-    return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+def _constrained_draft(mode: str, name: str | None) -> Reader:
+    if mode == "named":
+        return lambda text, final, memo: Draft("", [CallDraft(name or "", text, final)])
+
+    def required(text: str, final: bool, memo: dict[Any, Any]) -> Draft:
+        reader = memo.get("required")
+        if reader is None:
+            reader = memo["required"] = JsonReader("array")
+        reader.feed(text[reader.consumed :])
+        if reader.error is not None or (final and (not reader.done or not reader.calls)):
+            return Draft(text, [], True)
+        return Draft("", [CallDraft(reader.name(c), reader.arguments(c), c.closed) for c in reader.calls])
+
+    return required
 
 
-class HermesParser(ToolParser):
-    name = "hermes"
-    start = "<tool_call>"
-    _block = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.start not in text:
-            return text, []
-        calls = []
-        for body in self._block.findall(text):
-            try:
-                call = _call(json.loads(body))
-            except ValueError:
-                call = None
-            if call is not None:
-                calls.append(call)
-        if not calls:
-            return text, []
-        content = text[: text.index(self.start)].strip()
-        return content or None, calls
-
-
-class Llama3JsonParser(ToolParser):
-    name = "llama3_json"
-    start = "{"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>") :].strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        decoder = json.JSONDecoder()
-        pos = 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                return text, []
-            call = _call(obj, "parameters")
-            if call is None:
-                return text, []
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in " \n\t;":
-                pos += 1
-        return None, calls
-
-
-class MistralParser(ToolParser):
-    name = "mistral"
-    start = "[TOOL_CALLS]"
-
-    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
-        if self.start not in text:
-            return text, []
-        head, _, rest = text.partition(self.start)
-        try:
-            value = json.loads(rest.strip())
-        except ValueError:
-            return text, []
-        items = value if isinstance(value, list) else [value]
-        calls = [c for c in (_call(item) for item in items) if c is not None]
-        if not calls:
-            return text, []
-        return head.strip() or None, calls
-
-
-PARSERS: dict[str, type[ToolParser]] = {
-    "hermes": HermesParser,
-    "qwen": HermesParser,
-    "llama3_json": Llama3JsonParser,
-    "mistral": MistralParser,
-}
-
-
-def make_parser(name: str) -> ToolParser:
-    try:
-        return PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"unknown --tool-call-parser {name!r} (choose from {', '.join(sorted(PARSERS))})") from None
+def for_request(parser: ToolParser | None, tools: list[dict[str, Any]] | None) -> ToolParser | None:
+    """The server's --tool-call-parser for one request's tools (qwen3_coder reads values by
+    their schema)."""
+    return parser.bind(tools) if parser is not None else None
 
 
 class ToolStream:
-    """Per choice of a chat stream: which text may go out as content now and, at the end, the
-    tool calls. Under a named or required tool choice all text is a call; under 'auto' the
-    text from the parser's start marker on is held back until the choice ends."""
+    """Per choice of a chat stream: the delta message each piece of output makes. Under a named
+    or required tool choice all text is calls; under 'auto' the parser's drafts of the text so
+    far say what is content and what is calls, and each step sends what is new."""
 
     def __init__(self, mode: str, name: str | None, parser: ToolParser | None) -> None:
         self.mode, self.name, self.parser = mode, name, parser
         self.text = ""
-        self.sent = 0
+        self._read: Reader | None = None
+        if mode in ("named", "required"):
+            self._read = _constrained_draft(mode, name)
+        elif mode == "auto" and parser is not None:
+            self._read = parser.read
+        self._memo: dict[Any, Any] = {}
+        self._content = ""  # content sent
+        self._args: list[str] = []  # per call sent: the arguments sent
+        self._plain = False  # the text turned out not to be calls: all of it is content
+        self._stopped = False  # ... after a call went out: nothing more is sent
 
     @property
     def active(self) -> bool:
-        return self.mode in ("named", "required") or (self.mode == "auto" and self.parser is not None)
+        return self._read is not None
 
-    def feed(self, delta: str) -> str:
-        """The part of the text so far (after `delta`) that is safe to send as content."""
+    @property
+    def called(self) -> bool:
+        """A tool call has gone out."""
+        return bool(self._args)
+
+    def step(self, delta: str, finished: bool) -> dict[str, Any]:
+        """The delta message ({"content": ...} and/or {"tool_calls": [...]}) for the choice's
+        next piece of text; empty when nothing can go out yet. `finished`: the last piece."""
+        assert self._read is not None  # called on active streams
         self.text += delta
-        if self.mode in ("named", "required"):
-            return ""
-        assert self.parser is not None
-        hold = self._hold_from()
-        out = self.text[self.sent : hold]
-        self.sent = max(self.sent, hold)
-        return out
+        if self._stopped:
+            return {}
+        draft = Draft(self.text) if self._plain else self._read(self.text, finished, self._memo)
+        if draft.failed:
+            if self._args:
+                self._stopped = True
+                log.debug("tool calls: the output stopped being calls after one went out")
+                return {}
+            self._plain = True
+            draft = Draft(self.text)
+        message: dict[str, Any] = {}
+        if len(draft.content) > len(self._content):
+            if draft.content.startswith(self._content):
+                message["content"] = draft.content[len(self._content) :]
+                self._content = draft.content
+            else:  # a parser broke its promise: keep what went out
+                log.warning("tool calls: content %r does not extend what was sent", draft.content[:80])
+        deltas = [d for i, call in enumerate(draft.calls) if (d := self._call_delta(i, call)) is not None]
+        if deltas:
+            message["tool_calls"] = deltas
+        return message
 
-    def _hold_from(self) -> int:
-        assert self.parser is not None  # feed() under 'auto' (an active stream has a parser)
-        text, start = self.text, self.parser.start
-        if isinstance(self.parser, Llama3JsonParser):
-            lead = text.lstrip()
-            if not lead or lead.startswith(("{", "<|python_tag|>")) or "<|python_tag|>".startswith(lead):
-                return self.sent
-            return len(text)
-        pos = text.find(start, self.sent)
-        if pos >= 0:
-            return pos
-        for k in range(min(len(start) - 1, len(text)), 0, -1):  # a marker cut between chunks
-            if start.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """(the content not yet sent, the tool calls) once the choice has ended."""
-        if self.mode in ("named", "required"):
-            calls = read_constrained(self.text, self.mode, self.name)
-            return ("" if calls else self.text), calls
-        assert self.parser is not None  # called on active streams: 'auto' with a parser
-        content, calls = self.parser.parse(self.text)
-        if not calls:
-            return self.text[self.sent :], []
-        rest = (content or "")[self.sent :] if content and len(content) > self.sent else ""
-        return rest, calls
+    def _call_delta(self, index: int, call: CallDraft) -> dict[str, Any] | None:
+        if index > len(self._args) or (index == len(self._args) and call.name is None):
+            return None
+        if index == len(self._args):
+            self._args.append(call.arguments)
+            function = {"name": call.name, "arguments": call.arguments}
+            return {"index": index, "id": new_call_id(), "type": "function", "function": function}
+        sent = self._args[index]
+        if len(call.arguments) <= len(sent):
+            return None
+        if not call.arguments.startswith(sent):  # a parser broke its promise: keep what went out
+            log.warning("tool call %d: arguments %r do not extend what was sent", index, call.arguments[:80])
+            return None
+        self._args[index] = call.arguments
+        return {"index": index, "function": {"arguments": call.arguments[len(sent) :]}}
 
 
 def tool_message(

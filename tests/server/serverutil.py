@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -69,18 +70,25 @@ class Server:
 
 
 def start_server(
-    model_dir: Path, log_dir: Path, *flags: str, engine_mode: str = "process", ready_timeout_s: float = 120.0
+    model_dir: Path,
+    log_dir: Path,
+    *flags: str,
+    engine_mode: str = "process",
+    ready_timeout_s: float = 120.0,
+    verify: Any = True,
 ) -> Server:
     """`kvtier serve` over `model_dir` with `flags`, its engine in `engine_mode` (see
-    ENGINE_MODES; --engine-in-process among `flags` also means "in-process"), once healthy."""
+    ENGINE_MODES; --engine-in-process among `flags` also means "in-process"), once healthy.
+    With --ssl-certfile among `flags` the server speaks HTTPS (`url` is https://..., its health
+    checked with `verify`: an ssl.SSLContext that trusts its certificate)."""
     flags = engine_mode_flags(engine_mode, flags)
     port = free_port()
     log_path = log_dir / f"serve-{port}.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    launcher = ["-m", "kvtier"]
     cmd = [
         sys.executable,
-        "-m",
-        "kvtier",
+        *launcher,
         "serve",
         "--model",
         str(model_dir),
@@ -103,13 +111,14 @@ def start_server(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     mode = "in-process" if IN_PROCESS_FLAG in flags else "process"
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path, mode)
+    scheme = "https" if "--ssl-certfile" in flags else "http"
+    server = Server(f"{scheme}://127.0.0.1:{port}", proc, log_path, mode)
     deadline = time.monotonic() + ready_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"kvtier serve exited with {proc.returncode}:\n{server.log()}")
         try:
-            if httpx.get(f"{server.url}/health", timeout=1.0).status_code == 200:
+            if httpx.get(f"{server.url}/health", timeout=1.0, verify=verify).status_code == 200:
                 return server
         except httpx.TransportError:
             pass

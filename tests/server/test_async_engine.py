@@ -78,7 +78,9 @@ class FakeEngine:
         arrival_time: float | None = None,
         tenancy: Tenancy | None = None,
         stream_text: bool = False,
+        lora_request: object = None,
     ) -> str:
+        assert lora_request is None  # this engine has no adapters
         self.arrivals[request_id] = arrival_time
         if not prompt_token_ids:
             raise ValueError("the prompt is empty; give at least one token")

@@ -1,59 +1,111 @@
-"""vLLM's example Grafana dashboard (examples/online_serving/prometheus_grafana/grafana.json)
-against a live `kvtier serve`, with only the `vllm:` prefix changed to `kvtier:`: every query's
-series exists with the dashboard's `model_name` filter, and every rate()/increase() query sees
-its series move while requests are served. The queries are the dashboard's PromQL, evaluated
-here by what they select (a scrape before and after, parsed by prometheus_client)."""
+"""vLLM's example Grafana dashboard and alert rules, stored unchanged under data/ (see
+data/README.md for where they come from), against a live `kvtier serve`: every panel target's
+and alert rule's PromQL, its Grafana variables filled in, selects series that exist (with the
+dashboard's model_name filter), and every series a rate() or increase() reads moves while
+requests are served. The queries are evaluated by what they select: each selector's matchers
+against a scrape before and after, parsed by prometheus_client."""
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.utils import floatToGoString
 from serverutil import MODEL_NAME, scrape
+from test_metrics import check_vllm_families, vllm_buckets, vllm_sample_names
 
 pytest.importorskip("openai")
 
-DASHBOARD_QUERIES = [
-    'histogram_quantile(0.99, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])',
-    'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
-    'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
-    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_per_output_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    'rate(vllm:time_per_output_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:time_per_output_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
-    'vllm:num_requests_running{model_name="$model_name"}',
-    'vllm:num_requests_waiting{model_name="$model_name"}',
-    'histogram_quantile(0.99, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\nrate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])',
-    'vllm:gpu_cache_usage_perc{model_name="$model_name"}',
-    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
-    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$model_name"}[$__rate_interval]))',
-    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$model_name"}[$__rate_interval]))',
-    'rate(vllm:request_queue_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
-    'rate(vllm:request_prefill_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
-    'rate(vllm:request_decode_time_seconds_sum{model_name="$model_name"}[$__rate_interval])',
-    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$model_name"}[$__rate_interval])',
-]
-"""The dashboard's panel queries (its P95/P90/P50 variants differ from P99 only in the quantile)."""
-
-SELECTOR = re.compile(r'vllm:(\w+)\{model_name="\$model_name"\}')
-
-# the rest of vLLM's request-level set, which the dashboard does not chart
+DATA = Path(__file__).with_name("data")
+GRAFANA_VARIABLES = {
+    "$model_name": MODEL_NAME,
+    "$__rate_interval": "1m",
+    "$__interval": "1m",
+    "$__range": "5m",
+}
+SELECTOR = re.compile(
+    r"(?P<name>[A-Za-z_][\w]*:[\w:]*|[A-Za-z_]\w*(?=\s*\{))"  # a metric name (vLLM's have a colon)
+    r"\s*(?:\{(?P<matchers>[^}]*)\})?"
+    r"(?P<range>\s*\[[^\]]+\])?"
+)
+MATCHER = re.compile(r'\s*(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"\s*,?')
 MORE_SERIES = [
-    "request_inference_time_seconds_count",
-    "request_params_n_count",
-    "request_params_max_tokens_count",
-    "iteration_tokens_total_count",
-    "request_time_per_output_token_seconds_count",
+    "vllm:request_inference_time_seconds_count",
+    "vllm:request_params_n_count",
+    "vllm:request_params_max_tokens_count",
+    "vllm:iteration_tokens_total_count",
+    "vllm:request_time_per_output_token_seconds_count",
+    "vllm:request_num_preemptions_count",
+    "vllm:request_prefill_kv_computed_tokens_count",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prompt_tokens_cached_total",
 ]
+NOT_THE_SERVERS = {"up"}
+"""Series Prometheus makes itself (the alert rules' replica count), not read from /metrics."""
 
 
-def _values(samples, name: str, model: str) -> list[float]:
-    return [v for (n, labels), v in samples.items() if n == name and dict(labels).get("model_name") == model]
+def dashboard_queries() -> list[str]:
+    """Every panel target's expr of vLLM's dashboard (rows' panels included)."""
+    board = json.loads((DATA / "vllm_grafana.json").read_text())
+    panels = list(board["panels"])
+    for p in board["panels"]:
+        panels += p.get("panels", [])
+    return [t["expr"] for p in panels for t in p.get("targets", []) if t.get("expr")]
 
 
-def test_vllm_dashboard_queries_get_data(server):
-    before = scrape(server.url, model_name=True)
+def alert_queries() -> list[str]:
+    yaml = pytest.importorskip("yaml")
+    rules = yaml.safe_load((DATA / "vllm_prometheusrule.yaml").read_text())
+    return [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"]]
+
+
+def fill(query: str) -> str:
+    """The query with Grafana's variables as Grafana would send it to Prometheus."""
+    for var, value in sorted(GRAFANA_VARIABLES.items(), key=lambda kv: -len(kv[0])):
+        query = query.replace(var, value)
+    assert "$" not in query, query
+    return query
+
+
+def selectors(query: str) -> list[tuple[str, list[tuple[str, str, str]], bool]]:
+    """(metric name, label matchers, whether a range vector: what rate()/increase() read)."""
+    out = []
+    for m in SELECTOR.finditer(query):
+        matchers = MATCHER.findall(m.group("matchers") or "")
+        out.append((m.group("name"), matchers, m.group("range") is not None))
+    return out
+
+
+def select(samples: dict, name: str, matchers: list[tuple[str, str, str]]) -> list[float]:
+    """The values of the samples a selector picks."""
+
+    def ok(labels: dict[str, str]) -> bool:
+        for label, op, value in matchers:
+            have = labels.get(label, "")
+            hit = re.fullmatch(value, have) is not None if op in ("=~", "!~") else have == value
+            if hit != (op in ("=", "=~")):
+                return False
+        return True
+
+    return [v for (n, labels), v in samples.items() if n == name and ok(dict(labels))]
+
+
+def vllm_selects(name: str, matchers: list[tuple[str, str, str]]) -> bool:
+    """Whether a selector picks series of vLLM 0.32's (by name, and for a bucket's `le`, by the
+    bounds vLLM writes: "120.0", as prometheus_client formats them)."""
+    if name not in vllm_sample_names():
+        return False
+    bounds = vllm_buckets(None).get(name.removesuffix("_bucket"))
+    for label, op, value in matchers:
+        if label == "le" and op == "=" and bounds is not None:
+            return value in {*(floatToGoString(b) for b in bounds), "+Inf"}
+    return True
+
+
+def send_requests(server) -> None:
     client = server.openai()
     for i in range(3):
         client.completions.create(
@@ -72,34 +124,71 @@ def test_vllm_dashboard_queries_get_data(server):
         seed=1,
         extra_body={"ignore_eos": True},
     )
+
+
+def test_the_stored_dashboard_and_rules_are_vllms():
+    queries = dashboard_queries()
+    assert len(queries) == 27 and all("vllm:" in q for q in queries)
+    assert len(alert_queries()) == 8
+
+
+def test_vllm_dashboard_and_alert_queries_get_data(server):
+    before = scrape(server.url, model_name=True)
+    send_requests(server)
     after = scrape(server.url, model_name=True)
-    # the dashboard's model_name variable: label_values({__name__=~"vllm:.*"}, model_name)
-    assert {dict(labels).get("model_name") for (n, labels) in after if n.startswith("kvtier:")} == {MODEL_NAME}
-    for query in DASHBOARD_QUERIES:
-        names = SELECTOR.findall(query)
-        assert names, query
-        moving = "rate(" in query or "increase(" in query
-        for name in names:
-            series = "kvtier:" + name
-            now = _values(after, series, MODEL_NAME)
-            assert now, f"no {series} with model_name={MODEL_NAME} for {query!r}"
-            if moving:
-                was = _values(before, series, MODEL_NAME)
-                assert sum(now) > sum(was), f"{series} did not move for {query!r}"
-    for name in MORE_SERIES:
-        assert sum(_values(after, "kvtier:" + name, MODEL_NAME)) > 0, name
-    # by default every series is there under vLLM's own prefix too, with the same value: vLLM's
-    # dashboard, alert rules and routers read them unchanged
+    # the dashboard's model_name variable: label_values(model_name)
+    assert {dict(labels).get("model_name") for n, labels in after if n.startswith("vllm:")} - {None} == {MODEL_NAME}
+    checked = set()
+    for query in [*dashboard_queries(), *alert_queries()]:
+        found = selectors(fill(query))
+        assert found, query
+        for name, matchers, ranged in found:
+            if name in NOT_THE_SERVERS:
+                continue
+            now = select(after, name, matchers)
+            if not vllm_selects(name, matchers):
+                # what vLLM 0.32 leaves empty too: VllmPreemptionSpike's rate(vllm:num_preemptions)
+                # names the counter's family, whose series is vllm:num_preemptions_total; and
+                # VllmSlowRequestsPresent's le="120" is no bucket of vLLM's, which writes le="120.0"
+                assert not now, f"vLLM 0.32 has no {name}{matchers}, yet kvtier has ({query!r})"
+                continue
+            assert now, f"no {name}{matchers} for {query!r}"
+            if ranged:
+                was = select(before, name, matchers)
+                assert sum(now) > sum(was), f"{name} did not move for {query!r}"
+            checked.add(name)
+    assert len(checked) == 21, checked
+    for name in MORE_SERIES:  # the rest of vLLM's request-level set, which the dashboard does not chart
+        assert sum(select(after, name, [])) > sum(select(before, name, [])), name
+
+
+def test_vllm_series_over_http_are_vllm_0_32s(server):
+    """The live server's vllm: families: vLLM 0.32's names, types, labels and buckets (those of
+    token counts, which go up to max_model_len, are checked in process: test_metrics.py)."""
+    r = httpx.get(f"{server.url}/metrics", timeout=10)
+    assert r.status_code == 200
+    check_vllm_families(r.text)
+
+
+def test_kvtier_and_vllm_twins_agree(server):
+    """By default both sets are shown; a series under both prefixes has the same counts and sums
+    (kvtier's buckets differ: finer below a second)."""
+    send_requests(server)
+    after = scrape(server.url, model_name=True)
+    twins = 0
     for (n, labels), v in after.items():
-        if n.startswith("kvtier:") and "_created" not in n:
-            twin = after.get(("vllm:" + n.removeprefix("kvtier:"), labels))
+        if not n.startswith("vllm:") or n.endswith(("_bucket", "_created")):
+            continue
+        own = tuple((k, x) for k, x in labels if k != "engine")
+        twin = after.get(("kvtier:" + n.removeprefix("vllm:"), own))
+        if twin is not None and n not in ("vllm:num_requests_waiting",):  # vLLM's counts the loading ones too
             assert twin == v, n
-    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
-        assert _values(after, "vllm:" + name, MODEL_NAME), name
-    info = [labels for (n, labels) in after if n == "kvtier:cache_config_info"]
-    assert info and dict(info[0])["block_size"] == "4"
+            twins += 1
+    assert twins >= 40, twins
+    info = [dict(labels) for (n, labels) in after if n == "kvtier:cache_config_info"]
+    assert info and info[0]["block_size"] == "4"
     # the engine's tier series keep their own labels beside model_name
-    queries = {dict(labels)["tier"] for (n, labels), v in after.items() if n == "kvtier:prefix_cache_queries_total"}
+    queries = {dict(labels)["tier"] for (n, labels) in after if n == "kvtier:prefix_cache_queries_total"}
     assert "device" in queries
 
 
@@ -112,12 +201,16 @@ def test_params_histograms_count_what_was_asked(server):
     )
     assert r.status_code == 200
     after = scrape(server.url, model_name=True)
+    usage = r.json()["usage"]
+    for prefix in ("kvtier:", "vllm:"):
 
-    def delta(name: str) -> float:
-        return sum(_values(after, name, MODEL_NAME)) - sum(_values(before, name, MODEL_NAME))
+        def delta(name: str, prefix: str = prefix) -> float:
+            return sum(select(after, prefix + name, [])) - sum(select(before, prefix + name, []))
 
-    assert delta("kvtier:request_params_n_sum") == 3
-    assert delta("kvtier:request_params_max_tokens_sum") == 7
-    assert delta("kvtier:request_generation_tokens_sum") == r.json()["usage"]["completion_tokens"]
-    assert delta("kvtier:generation_tokens_total") == r.json()["usage"]["completion_tokens"]
-    assert delta("kvtier:prompt_tokens_total") == r.json()["usage"]["prompt_tokens"]
+        assert delta("request_params_n_sum") == 3
+        assert delta("request_params_max_tokens_sum") == 7
+        assert delta("request_generation_tokens_sum") == usage["completion_tokens"]
+        assert delta("request_generation_tokens_count") == 3  # one per sample, as vLLM
+        assert delta("generation_tokens_total") == usage["completion_tokens"]
+        assert delta("prompt_tokens_total") == usage["prompt_tokens"]
+        assert delta("request_success_total") == 3

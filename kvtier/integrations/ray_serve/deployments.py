@@ -30,9 +30,11 @@ def parse_serve_args(argv: list[str]) -> Any:
     """`kvtier serve` flags, parsed and checked by kvtier's own parser."""
     from kvtier.cli.engine_args import engine_kwargs
     from kvtier.cli.main import build_parser
+    from kvtier.vllm_flags import check_vllm_flags
 
     args = build_parser().parse_args(["serve", *argv])
     args.engine_kwargs = engine_kwargs(args, args.subparser)
+    check_vllm_flags(args)  # a refused vLLM flag is a ValueError here; no-ops pass
     return args
 
 
