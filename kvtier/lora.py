@@ -218,6 +218,38 @@ def _digest(files: _Files) -> bytes:
     return h.digest()
 
 
+_DIGESTS: dict[str, tuple[tuple[int, ...], bytes]] = {}
+
+
+def adapter_digest(path: str) -> bytes | None:
+    """The content digest of the PEFT adapter directory `path` (`_digest`: its config and weight
+    files byte for byte), re-read only when a file's size, inode or mtime changed; None when the
+    directory holds no adapter. What names an adapter's KV for kvtier's vLLM connector, so a
+    different adapter saved under the same name and id never meets the old one's KV."""
+    try:
+        files = _adapter_files(LoRARequest("adapter", 1, path))
+        stamp = _stamp(files)
+    except (ValueError, OSError):
+        return None
+    cached = _DIGESTS.get(path)
+    if cached is not None and cached[0] == stamp:
+        return cached[1]
+    digest = _digest(files)
+    _DIGESTS[path] = (stamp, digest)
+    return digest
+
+
+def adapter_salt(lora: Any) -> str:
+    """What a LoRA request adds to its KV key salt in kvtier's vLLM connector: the adapter's name,
+    id and content digest (`adapter_digest`; its path where the directory holds no adapter).
+    `lora` is vLLM's LoRARequest (or kvtier's)."""
+    name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
+    path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+    digest = adapter_digest(str(path)) if path else None
+    content = digest.hex() if digest is not None else f"path={path}"
+    return f"lora={name}:{getattr(lora, 'lora_int_id', '')}:{content}"
+
+
 def read_adapter_config(request: LoRARequest, files: _Files) -> dict[str, Any]:
     """adapter_config.json, checked for what kvtier cannot serve (a clear error for each)."""
     try:

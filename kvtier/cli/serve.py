@@ -450,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.server.request_log import RequestLog
 
     config, tenants = server_settings(args)
+    check_lora_modules(args)
     log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
     try:
         if args.engine_in_process:
@@ -575,6 +576,27 @@ def server_settings(args: argparse.Namespace) -> tuple[Any, Any]:
         if not args.engine_kwargs.get("remote_cache_url"):
             raise ValueError("--kv-master-key-file needs --remote-cache-url: the wrapped data keys live there")
     return config, tenants
+
+
+def check_lora_modules(args: argparse.Namespace) -> None:
+    """--lora-modules read and checked against the model (shapes, targets, rank) before the engine
+    starts, so an adapter the engine would refuse is one line at start, not a failed startup."""
+    if not args.lora_modules:
+        return
+    from pathlib import Path
+
+    import torch
+
+    from kvtier.lora import LoRARequest, load_adapter
+    from kvtier.model.loader import arch_config
+
+    arch = arch_config(Path(args.model))
+    rank = args.engine_kwargs.get("max_lora_rank", 16)
+    for i, (name, path, base) in enumerate(args.lora_modules, 1):
+        try:
+            load_adapter(LoRARequest(name, i, path, base), arch, torch.float32, rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e}") from None
 
 
 def use_chat_template(tokenizer: Any, template: str | None) -> None:

@@ -532,7 +532,13 @@ def _resolve_dtype(dtype: str | torch.dtype, arch: ArchConfig, model_dir: Path) 
             raise ValueError(f"dtype {dtype} is not supported; use one of {', '.join(_DTYPES)}")
         return dtype
     if dtype == "auto":
-        return _DTYPES[arch.dtype] if arch.dtype else checkpoint_dtype(model_dir)
+        resolved = _DTYPES[arch.dtype] if arch.dtype else checkpoint_dtype(model_dir)
+        if resolved == torch.float32 and not is_gguf(model_dir):
+            logger.info(
+                "dtype auto: float32, the checkpoint's (vLLM's auto serves a float32 checkpoint in 16 "
+                "bits; --dtype bfloat16 does that here, at half the weights' memory)"
+            )
+        return resolved
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use 'auto' or one of {', '.join(_DTYPES)}")
     return _DTYPES[dtype]

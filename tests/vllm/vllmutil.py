@@ -65,14 +65,14 @@ def _build_model(out: Path) -> Path:
     return out
 
 
-def _run(tmp: Path, name: str, spec: dict, env: dict[str, str] | None = None) -> dict:
+def _run(tmp: Path, name: str, spec: dict, env: dict[str, str] | None = None, runner: Path = RUNNER) -> dict:
     spec_path, out_path, log_path = tmp / f"{name}.json", tmp / f"{name}.out.json", tmp / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     full_env = dict(os.environ, **(env or {}))
     full_env["PYTHONPATH"] = str(REPO)  # this checkout's kvtier, not the one installed in vLLM's environment
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [VLLM_PY, str(RUNNER), str(spec_path), str(out_path)],
+            [VLLM_PY, str(runner), str(spec_path), str(out_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,

@@ -57,12 +57,16 @@ def world_size(vllm_config: VllmConfig) -> int:
 
 
 def request_salt(request: Request) -> str | None:
-    """The key salt of a request: vLLM's cache_salt, plus the LoRA adapter whose KV it is."""
+    """The key salt of a request: vLLM's cache_salt, plus the LoRA adapter whose KV it is: its
+    name and id, and the digest of its files (kvtier.lora.adapter_digest), so an adapter
+    retrained and saved under the same name (another process, a restart, vLLM's load_inplace)
+    never restores the old one's KV from the disk or Redis tier."""
     salt = getattr(request, "cache_salt", None)
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        name = getattr(lora, "lora_name", None) or getattr(lora, "name", None)
-        salt = f"{salt or ''}\x00lora={name}:{getattr(lora, 'lora_int_id', '')}"
+        from kvtier.lora import adapter_salt
+
+        salt = f"{salt or ''}\x00{adapter_salt(lora)}"
     return salt
 
 
