@@ -29,6 +29,12 @@ salted block key (the first 4 are a run tag that neighbouring blocks share). `to
 `block_size` are exact, so a router that rebuilds its own hashes from tokens (vllm-router does)
 matches prompts against them. `parent_block_hash` is None for a first block.
 
+LoRA: a block computed under an adapter carries the adapter's `lora_id` (its LoRARequest's
+`lora_int_id`) and `lora_name`, as vLLM's block pool fills them from the request; None for the
+base model. kvtier's block keys hold the adapter's content digest, not its name, so an adapter
+served under two names (the same files) shares its blocks: a block carries the id and name of
+the request that computed it first.
+
 Salts: vLLM publishes a request's `cache_salt` in clear in the first block's `extra_keys`.
 kvtier never does (a salt is a tenant's secret: whoever reads the stream would learn it); the
 first block of a salted chain carries `(salt_digest(salt),)` instead, a 16-hex-digit keyed
@@ -369,6 +375,8 @@ class _Block:
     owner_id: str | None
     media: int = 0
     """Bits of _MEDIA_BITS: where the block is announced."""
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 class KVEventRecorder:
@@ -395,24 +403,36 @@ class KVEventRecorder:
 
     # -- the device pool (kvtier.kvcache.prefix_index.PrefixIndex.listener) ----------------------
     def stored(
-        self, key: bytes, parent: bytes, tokens: Sequence[int] | None, is_first: bool, owner: Any = None
+        self,
+        key: bytes,
+        parent: bytes,
+        tokens: Sequence[int] | None,
+        is_first: bool,
+        owner: Any = None,
+        lora: Any = None,
     ) -> None:
         if tokens is None:
             return
-        info = self.describe(key, parent, tokens, is_first, owner)
+        info = self.describe(key, parent, tokens, is_first, owner, lora)
         with self._lock:
             self._announce(block_hash(key), info, MEDIUM_GPU, None)
 
-    def describe(self, key: bytes, parent: bytes, tokens: Sequence[int], is_first: bool, owner: Any = None) -> _Block:
-        """Learn a block's parent, tokens and tenant (`owner`: anything with `cache_salt` and
-        `owner_id`), so that a tier's later store of it can be announced; announces nothing
-        itself (the vLLM connector: the scheduler knows the tokens, the workers the tiers)."""
+    def describe(
+        self, key: bytes, parent: bytes, tokens: Sequence[int], is_first: bool, owner: Any = None, lora: Any = None
+    ) -> _Block:
+        """Learn a block's parent, tokens, tenant (`owner`: anything with `cache_salt` and
+        `owner_id`) and adapter (`lora`: anything with `lora_int_id` and `lora_name`, kvtier's
+        LoRARequest or vLLM's; None: the base model), so that a tier's later store of it can be
+        announced; announces nothing itself (the vLLM connector: the scheduler knows the tokens,
+        the workers the tiers)."""
         salt = getattr(owner, "cache_salt", None)
         info = _Block(
             None if is_first else block_hash(parent),
             array("q", tokens).tobytes(),
             (salt_digest(salt),) if is_first and salt is not None else None,
             getattr(owner, "owner_id", None),
+            lora_id=getattr(lora, "lora_int_id", None),
+            lora_name=getattr(lora, "lora_name", None),
         )
         h = block_hash(key)
         with self._lock:
@@ -505,6 +525,8 @@ class KVEventRecorder:
             and last.locality == locality
             and info.parent == last.block_hashes[-1]
             and info.extra is None
+            and info.lora_id == last.lora_id
+            and info.lora_name == last.lora_name
         ):  # the next block of the same chain: one event, as vLLM sends a request's new blocks
             last.block_hashes.append(h)
             last.token_ids.extend(tokens)
@@ -517,9 +539,9 @@ class KVEventRecorder:
                 parent_block_hash=info.parent,
                 token_ids=tokens.tolist(),
                 block_size=self.block_size,
-                lora_id=None,
+                lora_id=info.lora_id,
                 medium=medium,
-                lora_name=None,
+                lora_name=info.lora_name,
                 extra_keys=[info.extra] if info.extra is not None else None,
                 locality=locality,
             )

@@ -370,6 +370,7 @@ class EngineCore:
             all_token_ids=list(tokens),
             tenancy=group.tenancy,
             lora=group.lora,
+            lora_request=group.lora_request,
         )
         if sp.seed is not None:
             self._generators[req_id] = torch.Generator(device="cpu").manual_seed(sp.seed)

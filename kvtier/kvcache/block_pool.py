@@ -27,6 +27,7 @@ from kvtier.kvcache.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from kvtier.identity import Tenancy
+    from kvtier.lora import LoRARequest
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -143,12 +144,13 @@ class BlockPool:
         tokens: Sequence[int] | None,
         is_first: bool,
         owner: Tenancy | None = None,
+        lora: LoRARequest | None = None,
     ) -> bool:
         """Register an in-use, full block under `key`. False if the key was cached already
         (the block then stays an ordinary uncached block) or the parent is gone."""
         block = self.blocks[block_id]
         assert block.ref_cnt > 0 and block.key is None, "only in-use, uncached blocks can be cached"
-        if self.index is None or self.index.insert(key, parent, block_id, tokens, is_first, owner) is None:
+        if self.index is None or self.index.insert(key, parent, block_id, tokens, is_first, owner, lora) is None:
             return False
         block.key = key
         return True

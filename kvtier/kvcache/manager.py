@@ -22,6 +22,7 @@ from kvtier.kvcache.prefix_index import PrefixIndex
 
 if TYPE_CHECKING:
     from kvtier.identity import Tenancy
+    from kvtier.lora import LoRARequest
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,6 +57,8 @@ class _ReqBlocks:
     """Leading blocks known to be in the index (this request's block or an equal one)."""
     owner: Tenancy | None = None
     """The tenancy the blocks this request computes belong to (kvtier.identity)."""
+    lora: LoRARequest | None = None
+    """The adapter the blocks this request computes were computed with (for the KV events)."""
 
 
 @dataclass
@@ -187,6 +190,7 @@ class KVCacheManager:
         match: PrefixMatch,
         num_new_tokens: int,
         owner: Tenancy | None = None,
+        lora: LoRARequest | None = None,
     ) -> bool:
         """Admit a request: reference its cached prefix, lock a partial-copy source and take
         blocks for `num_new_tokens` more tokens. All or nothing; False if the pool is short."""
@@ -207,7 +211,7 @@ class KVCacheManager:
         if match.partial_src is not None:
             self.pool.ref(match.partial_src)  # lock until the copy has run
         new = self.pool.allocate(num_new)
-        state = _ReqBlocks(root, list(match.block_ids) + new, list(match.keys), len(match.keys), owner)
+        state = _ReqBlocks(root, list(match.block_ids) + new, list(match.keys), len(match.keys), owner, lora)
         self._reqs[req_id] = state
         if match.partial_src is not None:
             self._pending.setdefault(req_id, []).append(BlockCopy(match.partial_src, new[0], match.partial_tokens))
@@ -265,6 +269,7 @@ class KVCacheManager:
                         tokens[i * bs : (i + 1) * bs],
                         is_first=(i == 0),
                         owner=state.owner,
+                        lora=state.lora,
                     )
                     and self.store_policy == "write_through"
                 ):
@@ -294,7 +299,9 @@ class KVCacheManager:
             dst = self.pool.allocate(1)[0]
             blocks.append(dst)
             self._pending.setdefault(child_id, []).append(BlockCopy(src, dst, rem))
-        self._reqs[child_id] = _ReqBlocks(p.root, blocks, list(p.keys[:full]), min(p.num_registered, full), p.owner)
+        self._reqs[child_id] = _ReqBlocks(
+            p.root, blocks, list(p.keys[:full]), min(p.num_registered, full), p.owner, p.lora
+        )
         return True
 
     def free(self, req_id: str) -> None:
@@ -333,11 +340,12 @@ class KVCacheManager:
         match: PrefixMatch,
         restore_keys: list[BlockKey],
         owner: Tenancy | None = None,
+        lora: LoRARequest | None = None,
     ) -> bool:
         """Admit a request whose next `len(restore_keys)` blocks will be loaded from a tier:
         reference its device prefix (full blocks only) and take blocks for the restore."""
         full = PrefixMatch(list(match.block_ids), list(match.keys))
-        return self.allocate_new(req_id, tokens, root, full, len(restore_keys) * self.block_size, owner)
+        return self.allocate_new(req_id, tokens, root, full, len(restore_keys) * self.block_size, owner, lora)
 
     def finish_restore(self, req_id: str, restore_keys: list[BlockKey], tensors: list[object]) -> int:
         """The load finished with `tensors` for the leading restore blocks (maybe fewer than

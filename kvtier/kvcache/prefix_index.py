@@ -29,13 +29,20 @@ from kvtier.kvcache.policy import EvictionPolicy, make_policy
 
 if TYPE_CHECKING:
     from kvtier.identity import Tenancy
+    from kvtier.lora import LoRARequest
 
 
 class IndexListener(Protocol):
     """What a PrefixIndex tells of its changes (a block cached under a key, a key removed)."""
 
     def stored(
-        self, key: BlockKey, parent: BlockKey, tokens: Sequence[int] | None, is_first: bool, owner: Any = None
+        self,
+        key: BlockKey,
+        parent: BlockKey,
+        tokens: Sequence[int] | None,
+        is_first: bool,
+        owner: Any = None,
+        lora: Any = None,
     ) -> None: ...
 
     def removed(self, key: BlockKey) -> None: ...
@@ -163,10 +170,12 @@ class PrefixIndex:
         tokens: Sequence[int] | None,
         is_first: bool,
         owner: Tenancy | None = None,
+        lora: LoRARequest | None = None,
     ) -> CachedBlock | None:
         """Cache the in-use block `block_id` under `key`. Returns None if the key is already
         cached (the caller keeps its block uncached) or if the parent is not cached (it would
-        be unreachable)."""
+        be unreachable). `lora`: the adapter the block was computed with, only for the
+        listener (the key holds the adapter already)."""
         if key in self._nodes:
             self.stats.duplicate_inserts += 1
             return None
@@ -191,7 +200,7 @@ class PrefixIndex:
             self._children.setdefault(parent, {}).setdefault(first_tok, []).append(key)
         self.stats.inserts += 1
         if self.listener is not None:
-            self.listener.stored(key, parent, node.tokens, is_first, owner)
+            self.listener.stored(key, parent, node.tokens, is_first, owner, lora)
         return node
 
     def set_evictable(self, key: BlockKey) -> None:

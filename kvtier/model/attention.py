@@ -199,20 +199,51 @@ CHUNK_DPBF16, CHUNK_FMA = 0, 1
 """The chunk kernel's two ways to multiply (KVT_CHUNK_* of csrc/paged_attention.c): bf16 dot
 products (vdpbf16ps), or float32 FMAs on K/V widened once per 16-key chunk (for CPUs whose FMA
 units outrun their bf16 dot products)."""
+CHUNK_SDPA = 2
+"""No chunk kernel: a chunk's attention runs torch's SDPA on its gathered blocks (`_prefill`). On a
+CPU whose matrix units torch's kernels use (Intel AMX: bf16 tiles) that is faster than either
+variant: 0.6-0.7x of the kernel's time on a 128-token chunk over 512 cached tokens (session 37)."""
 CHUNK_VARIANT_ENV = "KVTIER_CHUNK_ATTENTION"
-"""`dpbf16` or `fma`: overrides the measurement of `chunk_variant`."""
+"""`dpbf16`, `fma` or `sdpa`: overrides the measurement of `chunk_variant`."""
+_CHUNK_NAMES = {"dpbf16": CHUNK_DPBF16, "fma": CHUNK_FMA, "sdpa": CHUNK_SDPA}
+
+
+def _time_chunk_kernel(
+    lib: Any, q: torch.Tensor, out: torch.Tensor, pool: torch.Tensor, table: torch.Tensor, start: int, variant: int
+) -> int:
+    """One kvt_chunk_attention call of the timing probes: q [n, Hq, D] at `start` over a bfloat16
+    pool [2, Hkv, num_blocks, block_size, D] whose blocks `table` lists; its return code."""
+    n, num_heads, head_dim = q.shape
+    _two, num_kv_heads, num_blocks, block_size, _d = pool.shape
+    return lib.kvt_chunk_attention(
+        q.data_ptr(),
+        out.data_ptr(),
+        pool.data_ptr(),
+        table.data_ptr(),
+        table.numel(),
+        start,
+        n,
+        num_heads,
+        num_kv_heads,
+        num_blocks,
+        block_size,
+        head_dim,
+        head_dim**-0.5,
+        variant,
+    )
 
 
 @functools.cache
 def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int = 3) -> int:
-    """The chunk kernel's faster variant on this CPU for this head shape: KVTIER_CHUNK_ATTENTION,
-    else both timed (interleaved, least of `repeats`) on a 256-token chunk over 768 cached tokens,
-    once per process; the bf16 one unless the other is 10% faster."""
+    """The fastest way to attend a chunk over its cached prefix on this CPU for this head shape:
+    KVTIER_CHUNK_ATTENTION, else the chunk kernel's two variants and torch's SDPA on the gathered
+    blocks (CHUNK_SDPA) timed (interleaved, least of `repeats`) on a 256-token chunk over 768 cached
+    tokens, once per process; the bf16 kernel unless another is 10% faster."""
     given = os.environ.get(CHUNK_VARIANT_ENV, "").strip().lower()
     if given:
-        if given not in ("dpbf16", "fma"):
-            raise ValueError(f"{CHUNK_VARIANT_ENV}={given!r}: use dpbf16 or fma")
-        return CHUNK_FMA if given == "fma" else CHUNK_DPBF16
+        if given not in _CHUNK_NAMES:
+            raise ValueError(f"{CHUNK_VARIANT_ENV}={given!r}: use {', '.join(_CHUNK_NAMES)}")
+        return _CHUNK_NAMES[given]
     lib = native.chunk_attention_lib()
     if lib is None:  # no kernel on this CPU: the variant does not matter
         return CHUNK_DPBF16
@@ -223,30 +254,25 @@ def chunk_variant(num_heads: int, num_kv_heads: int, head_dim: int, repeats: int
     q = torch.randn(n, num_heads, head_dim, generator=g).to(torch.bfloat16)
     out = torch.empty_like(q)
     table = torch.arange(num_blocks, dtype=torch.long)
-    best = {CHUNK_DPBF16: float("inf"), CHUNK_FMA: float("inf")}
+    torch_path = TorchPagedAttention(num_heads, num_kv_heads, head_dim)  # the chunk kernel off
+    torch_path.chunk_variant = CHUNK_SDPA
+    seq = torch_path._prefill_seq(0, n, start, start + n, table.tolist(), block_size, q.device)
+
+    def run(variant: int) -> int:
+        if variant == CHUNK_SDPA:
+            torch_path._prefill(q, q, q, pool, seq)  # k/v of the chunk are read from the pool
+            return 0
+        return _time_chunk_kernel(lib, q, out, pool, table, start, variant)
+
+    best = {CHUNK_DPBF16: float("inf"), CHUNK_FMA: float("inf"), CHUNK_SDPA: float("inf")}
     for _ in range(repeats + 1):  # the first round pays one-time setup
         for variant in best:  # noqa: PLC0206 - best[variant] is written, not read
             t = time.perf_counter()
-            rc = lib.kvt_chunk_attention(
-                q.data_ptr(),
-                out.data_ptr(),
-                pool.data_ptr(),
-                table.data_ptr(),
-                num_blocks,
-                start,
-                n,
-                num_heads,
-                num_kv_heads,
-                num_blocks,
-                block_size,
-                head_dim,
-                head_dim**-0.5,
-                variant,
-            )
-            if rc != 0:
+            if run(variant) != 0:
                 return CHUNK_DPBF16
             best[variant] = min(best[variant], time.perf_counter() - t)
-    return CHUNK_FMA if best[CHUNK_FMA] * 1.1 <= best[CHUNK_DPBF16] else CHUNK_DPBF16
+    fastest = min(best, key=best.__getitem__)
+    return fastest if best[fastest] * 1.1 <= best[CHUNK_DPBF16] else CHUNK_DPBF16
 
 
 @functools.cache
@@ -272,22 +298,7 @@ def decode_rows_beat_chunk_kernel(
     scale = head_dim**-0.5
 
     def chunk() -> int:
-        return lib.kvt_chunk_attention(
-            q.data_ptr(),
-            out.data_ptr(),
-            pool.data_ptr(),
-            table.data_ptr(),
-            num_blocks,
-            start,
-            n,
-            num_heads,
-            num_kv_heads,
-            num_blocks,
-            block_size,
-            head_dim,
-            scale,
-            variant,
-        )
+        return _time_chunk_kernel(lib, q, out, pool, table, start, variant)
 
     def rows() -> int:
         return lib.kvt_decode_attention(
@@ -354,7 +365,11 @@ class TorchPagedAttention(AttentionBackend):
         self.native_chunk_max_tokens = 0 if chunk_kernel else NATIVE_CHUNK_MAX_TOKENS
         if chunk_kernel:
             self.chunk_variant = chunk_variant(self.num_heads, self.num_kv_heads, self.head_dim)
-            if decode_rows_beat_chunk_kernel(self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_variant):
+            # torch's SDPA beats the kernel on this CPU (then as without the kernel), or decode rows do
+            sdpa = self.chunk_variant == CHUNK_SDPA
+            if sdpa or decode_rows_beat_chunk_kernel(
+                self.num_heads, self.num_kv_heads, self.head_dim, self.chunk_variant
+            ):
                 self.native_chunk_max_tokens = NATIVE_CHUNK_MAX_TOKENS
 
     @staticmethod
@@ -408,7 +423,12 @@ class TorchPagedAttention(AttentionBackend):
         prefills = [self._prefill_seq(*args, block_size, device) for args in prefill_args]
         decode = self._decode_batch(decode_rows, decode_tables, decode_lens, block_size, device)
         batch = None
-        if len(prefill_args) > 1 and device.type == "cpu" and native.chunk_attention_lib() is not None:
+        if (
+            len(prefill_args) > 1
+            and device.type == "cpu"
+            and self.chunk_variant != CHUNK_SDPA
+            and native.chunk_attention_lib() is not None
+        ):
             max_blocks = max(-(-end // block_size) for *_, end, _ in prefill_args)
             padded: list[int] = []
             for *_, end, table in prefill_args:
@@ -568,7 +588,7 @@ class TorchPagedAttention(AttentionBackend):
         """Every prefill chunk's attention in one kvt_chunk_attention_batch call: [T, Hq * D] with
         the prefill rows filled (decode rows are left for the caller); None where the kernel does
         not apply (as `_chunk_native`)."""
-        lib = _chunk_lib_for(q, kv_cache)
+        lib = _chunk_lib_for(q, kv_cache) if self.chunk_variant != CHUNK_SDPA else None
         if lib is None:
             return None
         assert isinstance(kv_cache, torch.Tensor)  # _chunk_lib_for: not a quantized cache

@@ -459,16 +459,20 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     return d * q.float() - dm
 
 
-def _q6_k(b: torch.Tensor) -> torch.Tensor:
+def _q6_k_values(b: torch.Tensor) -> torch.Tensor:
+    """[n, 210] Q6_K super-blocks -> [n, 256] int8: each element's 6-bit value - 32, in element order."""
     ql, qh = b[:, :128], b[:, 128:192]
-    scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(b, 208) * scales).reshape(-1, 16, 1)
     low = ql.reshape(-1, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
     low = (low & 0x0F).reshape(-1, 8, 32)
     high = qh.reshape(-1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(-1, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 16, 16).float()
-    return d * q
+    return ((low | (high << 4)).to(torch.int8) - 32).reshape(-1, 256)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    scales = b[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(b, 208) * scales).reshape(-1, 16, 1)
+    return d * _q6_k_values(b).reshape(-1, 16, 16).float()
 
 
 _DEQUANT = {

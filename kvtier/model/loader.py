@@ -194,7 +194,7 @@ def _install_quantized(
     for name, parts in _quantizable(model, arch):
         weights = [quant_weight(part) for part in parts]
         if any(w is None for w in weights):
-            continue  # e.g. a Q6_K or float tensor: this projection stays dense
+            continue  # e.g. a float tensor: this projection stays dense
         found[name] = QuantWeight.cat([w for w in weights if w is not None])
         loaded.update(parts)
         _set_module(model, name, _Pending(model.get_submodule(name)))

@@ -4,17 +4,24 @@ weight-only quantization of a float checkpoint (`quantization="int8"`, vLLM's fl
 A decode step reads every weight of the model once, so its time is the weights' bytes over the
 memory bandwidth: SmolLM2-135M's Q4_1 file is 97 MB, the same model dequantized to bfloat16 270 MB.
 `QuantWeight` keeps a weight [N, K] in blocks of 32 elements of a row, each with a float16 scale d
-and, for affine formats, a float16 offset m (W = d q + m), in one of two formats:
+and, for affine formats, a float16 offset m (W = d q + m), in one of three formats:
 
 * `q8`: q int8, one byte per element. GGUF Q8_0 as it is; Q5_0, Q5_1 and Q5_K unpacked to one
   byte (exact); `quantize_int8` of a float weight (symmetric, d = max|w| / 127 per block).
 * `q4`: q 0..15, two per byte in GGUF's nibble order. Q4_0 (m = -8 d) and Q4_1 as they are, Q4_K
   with each 32-element sub-block's scale and min folded into d and m (rounded to float16: a
   relative error under 2^-11 on the scale, far below the 4-bit step).
+* `q8s16`: `q8` with one more int8 scale s per 16-element half of a block (W = (d s) q + m; 34
+  bytes a block, the two scales after the 32 values, and d: 36 bytes per 32 elements). GGUF Q6_K
+  unpacked to one byte (q = its 6-bit value - 32, d its super-block's float16 scale repeated per
+  block, s its int8 16-element scales): exact, as d s is exact in float32, so W holds the float32
+  values of GGUF's own dequantization bit for bit (nothing is rounded to float16, unlike Q4_K's
+  folded scales). 1.37x the bytes of Q6_K (288 per 256 elements against 210), 0.28x float32.
 
-GGUF Q6_K (16-element scales) and float tensors are not repacked: those projections stay dense in
-the model dtype. Parts of one fused projection (q|k|v, gate|up) in different formats are joined as
-`q8` (q4 unpacks to q8 exactly).
+Float tensors are not repacked: those projections stay dense in the model dtype. Parts of one
+fused projection (q|k|v, gate|up) in different formats are joined as `q8s16` where one of them is
+(q8 and q4 parts with s = 1, keeping their d and m), else as `q8` (q4 unpacks to q8 exactly):
+either way exactly.
 
 `QuantLinear` holds its weight interleaved (`QuantWeight.interleave`): each row's blocks in groups of
 8 whose elements are reordered so that the kernel's integer multiply-adds leave one block per vector
@@ -37,8 +44,11 @@ from torch import nn
 from kvtier.model import native
 
 BLOCK = 32
-Q8, Q4 = "q8", "q4"
-_FMT_CODE = {Q8: 0, Q4: 1}  # KVT_Q8, KVT_Q4 of csrc/quant_gemm.c
+HALF = BLOCK // 2
+Q8, Q4, Q8S16 = "q8", "q4", "q8s16"
+_FMT_CODE = {Q8: 0, Q4: 1, Q8S16: 2}  # KVT_Q8, KVT_Q4, KVT_Q8S16 of csrc/quant_gemm.c
+_S16_BLOCK = BLOCK + 2
+"""q8s16 bytes per block: its 32 int8 values, then the int8 scales of elements 0..15 and 16..31."""
 _X_KIND = {torch.float32: 0, torch.bfloat16: 1}
 
 ACTIVATIONS_ENV = "KVTIER_QUANT_ACTIVATIONS"
@@ -62,8 +72,14 @@ dequantize + GEMM up to 128 rows (by 4.7x at 16, 1.3x at 128) and about even at 
 QUANTIZATIONS = ("int8",)
 """Weight-only quantizations of a float checkpoint at load (`quantization=`)."""
 
-GGUF_REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K")
-"""GGUF tensor types served quantized; others are dequantized to the model dtype at load."""
+GGUF_REPACKED = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+"""GGUF tensor types served quantized (every block type kvtier.model.gguf reads); others (float
+tensors) are loaded in the model dtype."""
+
+
+def _q_width(fmt: str, k: int) -> int:
+    """Bytes of q per row of k elements."""
+    return k if fmt == Q8 else k // 2 if fmt == Q4 else k // BLOCK * _S16_BLOCK
 
 
 @dataclasses.dataclass
@@ -71,7 +87,7 @@ class QuantWeight:
     """A weight [n, k] in blocks of 32 (see the module docstring)."""
 
     fmt: str
-    q: torch.Tensor  # uint8 [n, k] (q8, int8 values) or [n, k / 2] (q4)
+    q: torch.Tensor  # uint8 [n, k] (q8, int8 values), [n, k / 2] (q4) or [n, 34 k / 32] (q8s16, with s)
     d: torch.Tensor  # float16 [n, k / 32]
     m: torch.Tensor | None  # float16 [n, k / 32], or None (symmetric)
     n: int
@@ -84,8 +100,7 @@ class QuantWeight:
             raise ValueError(f"unknown quantized weight layout {self.fmt!r}")
         if self.k % BLOCK:
             raise ValueError(f"a quantized weight needs in_features divisible by {BLOCK}, got {self.k}")
-        width = self.k if self.fmt == Q8 else self.k // 2
-        want = {"q": (self.n, width), "d": (self.n, self.k // BLOCK)}
+        want = {"q": (self.n, _q_width(self.fmt, self.k)), "d": (self.n, self.k // BLOCK)}
         if self.m is not None:
             want["m"] = (self.n, self.k // BLOCK)
         for name, shape in want.items():
@@ -103,8 +118,10 @@ class QuantWeight:
         return self.k // (GROUP * BLOCK) * GROUP * BLOCK
 
     def _ints(self) -> torch.Tensor:
-        """The q values [n, k] in element order: int8 (q8) or uint8 0..15 (q4)."""
+        """The q values [n, k] in element order: int8 (q8, q8s16) or uint8 0..15 (q4)."""
         g = self._grouped if self.interleaved else 0
+        if self.fmt == Q8S16:
+            return self._s16_parts()[0]
         if self.fmt == Q8:
             q = self.q.view(torch.int8)
             if g == 0:
@@ -119,17 +136,49 @@ class QuantWeight:
         head = torch.cat((head & 0x0F, head >> 4), dim=-1)[..., _ELEM_TO_POS].reshape(self.n, g)
         return torch.cat((head, tail), dim=1)
 
+    def _s16_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A q8s16 weight's values (int8 [n, k], element order) and half-block scales (int8
+        [n, k / 32, 2]: elements 0..15, 16..31 of each block)."""
+        n, g = self.n, self._grouped if self.interleaved else 0
+        q = self.q.view(torch.int8)
+        head_bytes = g // BLOCK * _S16_BLOCK
+        tail = q[:, head_bytes:].reshape(n, -1, _S16_BLOCK)
+        ints, s = tail[..., :BLOCK].reshape(n, -1), tail[..., BLOCK:]
+        if g == 0:
+            return ints, s
+        head = q[:, :head_bytes].reshape(n, -1, GROUP * _S16_BLOCK)
+        head_ints = head[..., : GROUP * BLOCK][..., _ELEM_TO_POS].reshape(n, g)
+        # a group's 16 scales: the 8 blocks' first halves, then their second halves
+        head_s = head[..., GROUP * BLOCK :].reshape(n, -1, 2, GROUP).transpose(-1, -2).reshape(n, -1, 2)
+        return torch.cat((head_ints, ints), dim=1), torch.cat((head_s, s), dim=1)
+
+    @staticmethod
+    def _s16_pack(ints: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
+        """q of a q8s16 weight from `_s16_parts`' two tensors, in GGUF order or interleaved."""
+        n, k = ints.shape
+        g = k // (GROUP * BLOCK) * GROUP * BLOCK if interleaved else 0
+        tail = torch.cat((ints[:, g:].reshape(n, -1, BLOCK), s[:, g // BLOCK :]), dim=-1).reshape(n, -1)
+        if g:
+            head = ints[:, :g].reshape(n, -1, GROUP * BLOCK)[..., _POS_TO_ELEM]
+            head_s = s[:, : g // BLOCK].reshape(n, -1, GROUP, 2).transpose(-1, -2).reshape(n, -1, 2 * GROUP)
+            tail = torch.cat((torch.cat((head, head_s), dim=-1).reshape(n, -1), tail), dim=1)
+        return tail.view(torch.uint8).contiguous()
+
     def values(self) -> torch.Tensor:
-        """The q values [n, k] as float32 (unscaled), in element order."""
+        """The q values [n, k] as float32 (unscaled by d and s), in element order."""
         return self._ints().float()
 
     def interleave(self) -> QuantWeight:
         """The same values with whole groups of 8 blocks in the kernel's order (csrc/quant_gemm.c):
         position p = 16 t + 2 j + e of a group holds element 2 t + e of block j; q4 keeps positions
-        0..127 of a group in the low nibbles of its 128 bytes and 128..255 in the high ones."""
+        0..127 of a group in the low nibbles of its 128 bytes and 128..255 in the high ones; q8s16
+        follows a group's 256 values with the scales of its 8 blocks' first halves, then of their
+        second halves."""
         g = self._grouped
         if self.interleaved or g == 0:
             return dataclasses.replace(self, interleaved=True)
+        if self.fmt == Q8S16:  # q8's order, then each group's scales (csrc/quant_gemm.c)
+            return dataclasses.replace(self, q=self._s16_pack(*self._s16_parts(), interleaved=True), interleaved=True)
         ints = self._ints()
         head = ints[:, :g].reshape(self.n, -1, GROUP * BLOCK)[..., _POS_TO_ELEM]
         if self.fmt == Q8:
@@ -145,18 +194,35 @@ class QuantWeight:
         out = _native_dequantize(self, dtype)
         if out is not None:
             return out
-        w = self.values().reshape(self.n, -1, BLOCK) * self.d.float().unsqueeze(-1)
+        if self.fmt == Q8S16:
+            ints, s = self._s16_parts()
+            scale = (self.d.float().unsqueeze(-1) * s.float()).unsqueeze(-1)  # d s: exact in float32
+            w = (ints.float().reshape(self.n, -1, 2, HALF) * scale).reshape(self.n, -1, BLOCK)
+        else:
+            w = self.values().reshape(self.n, -1, BLOCK) * self.d.float().unsqueeze(-1)
         if self.m is not None:
             w = w + self.m.float().unsqueeze(-1)
         return w.reshape(self.n, self.k).to(dtype)
 
     def as_q8(self) -> QuantWeight:
-        """The same values in the q8 format (exact), in the same layout."""
+        """The same values in the q8 format (exact), in the same layout; not for q8s16 (`as_q8s16`
+        holds every format)."""
         if self.fmt == Q8:
             return self
+        if self.fmt == Q8S16:
+            raise ValueError("a q8s16 weight has 16-element scales: it joins others as q8s16, not q8")
         q = self._ints().to(torch.int8).view(torch.uint8).contiguous()
         canonical = QuantWeight(Q8, q, self.d, self.m, self.n, self.k)
         return canonical.interleave() if self.interleaved else canonical
+
+    def as_q8s16(self) -> QuantWeight:
+        """The same values in the q8s16 format (s = 1: exact), in the same layout."""
+        if self.fmt == Q8S16:
+            return self
+        ints = self._ints().to(torch.int8)
+        s = torch.ones((self.n, self.k // BLOCK, 2), dtype=torch.int8)
+        q = self._s16_pack(ints, s, self.interleaved)
+        return QuantWeight(Q8S16, q, self.d, self.m, self.n, self.k, self.interleaved)
 
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The weight rows `index` (a permutation or selection of output features)."""
@@ -172,8 +238,9 @@ class QuantWeight:
             raise ValueError("fused quantized weights need the same in_features")
         if len({p.interleaved for p in parts}) != 1:
             raise ValueError("fused quantized weights need the same layout")
-        if len({p.fmt for p in parts}) > 1:
-            parts = [p.as_q8() for p in parts]
+        fmts = {p.fmt for p in parts}
+        if len(fmts) > 1:  # one format that holds every part's values exactly
+            parts = [p.as_q8s16() if Q8S16 in fmts else p.as_q8() for p in parts]
         ms = None
         if any(p.m is not None for p in parts):
             ms = torch.cat([p.m if p.m is not None else torch.zeros_like(p.d) for p in parts])
@@ -184,6 +251,7 @@ class QuantWeight:
             ms.contiguous() if ms is not None else None,
             sum(p.n for p in parts),
             parts[0].k,
+            parts[0].interleaved,
         )
 
 
@@ -244,6 +312,14 @@ def from_gguf(type_name: str, blocks: torch.Tensor, n: int, k: int) -> QuantWeig
         values = _sub_nibbles(blocks[:, 48:]) | ((qh & 1) << 4)
         q = values.to(torch.int8).view(torch.uint8).reshape(n, k).contiguous()
         return QuantWeight(Q8, q, d.contiguous(), m.contiguous(), n, k)
+    if type_name == "Q6_K":
+        from kvtier.model.gguf import _q6_k_values
+
+        ints = _q6_k_values(blocks).reshape(n, k)  # q - 32, in element order
+        # the 16 scales of a super-block are those of elements 16 i .. 16 i + 15: block j's halves are 2 j, 2 j + 1
+        s = blocks[:, 192:208].contiguous().view(torch.int8).reshape(n, nb, 2)
+        d = f16(blocks, 208).repeat_interleave(GROUP).reshape(n, nb)  # one super-block: 8 blocks of 32
+        return QuantWeight(Q8S16, QuantWeight._s16_pack(ints, s, False), d.contiguous(), None, n, k)
     raise ValueError(f"GGUF type {type_name} is not repacked (served dense)")
 
 

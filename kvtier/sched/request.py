@@ -12,6 +12,7 @@ from kvtier.kvcache.keys import BlockKey
 from kvtier.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from kvtier.lora import LoRARequest
     from kvtier.model.lora import LoRAWeights
 
 
@@ -65,6 +66,9 @@ class Request:
     lora: LoRAWeights | None = None
     """The LoRA adapter it runs (kvtier.model.lora; None: the base model); its root key was made
     with the adapter's key folded in (kvtier.lora.lora_fingerprint)."""
+    lora_request: LoRARequest | None = None
+    """The request that named `lora`: its id and name are what the KV events of the blocks this
+    request computes carry (as vLLM's do)."""
 
     all_token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)

@@ -249,7 +249,9 @@ class Scheduler:
             if n > budget and not cfg.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate_new(req.req_id, req.all_token_ids, req.root_key, match, n, req.tenancy):
+            if not self.kv.allocate_new(
+                req.req_id, req.all_token_ids, req.root_key, match, n, req.tenancy, req.lora_request
+            ):
                 break  # head of line waits for blocks; nobody overtakes it
             self.waiting.remove(req)
             self.running.append(req)
@@ -315,7 +317,9 @@ class Scheduler:
             return False
         k = decision.num_blocks
         restore_keys = keys[d : d + k]
-        if not self.kv.allocate_restore(req.req_id, tokens, req.root_key, match, restore_keys, req.tenancy):
+        if not self.kv.allocate_restore(
+            req.req_id, tokens, req.root_key, match, restore_keys, req.tenancy, req.lora_request
+        ):
             return False
         req.load_future = self.tiers.submit_load(restore_keys, plan.load_runs(), owner=req.tenancy)
         req.restore_keys = restore_keys

@@ -14,9 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 from kvtier.outputs import RequestOutput
 from kvtier.server.vllm_metrics import (
@@ -26,55 +25,22 @@ from kvtier.server.vllm_metrics import (
     REQUEST_NUM_PREEMPTIONS_BUCKETS,
     REQUEST_PARAMS_N_BUCKETS,
     TIME_TO_FIRST_TOKEN_BUCKETS_S,
+    histogram_family,
     request_token_buckets,
 )
 
+
+def _finer(vllm_bounds: tuple[float, ...], up_to: float, extra: tuple[float, ...] = ()) -> tuple[float, ...]:
+    """vLLM's bounds up to `up_to`, with the `extra` ones added between them (kvtier's buckets
+    are vLLM's, cut short and made finer, so that the two sets of series read alike)."""
+    return tuple(sorted({*extra, *(b for b in vllm_bounds if b <= up_to)}))
+
+
 # kvtier's buckets: vLLM's time-to-first-token buckets up to 80 s; finer than vLLM's below a
 # second for the other latencies
-TTFT_BUCKETS_S = tuple(b for b in TIME_TO_FIRST_TOKEN_BUCKETS_S if b <= 80.0)
-ITL_BUCKETS_S = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.015,
-    0.02,
-    0.025,
-    0.03,
-    0.04,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-)
-E2E_BUCKETS_S = (
-    0.01,
-    0.05,
-    0.1,
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-)
+TTFT_BUCKETS_S = _finer(TIME_TO_FIRST_TOKEN_BUCKETS_S, 80.0)
+ITL_BUCKETS_S = _finer(INTER_TOKEN_LATENCY_BUCKETS_S, 2.5, (0.001, 0.0025, 0.005, 0.015, 0.02, 0.03, 0.04))
+E2E_BUCKETS_S = _finer(REQUEST_LATENCY_BUCKETS_S, 120.0, (0.01, 0.05, 0.1))
 
 
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
@@ -100,13 +66,7 @@ class BulkHistogram(Collector):
         self.sum += sum(values)
 
     def collect(self) -> Iterable[Metric]:
-        family = HistogramMetricFamily(self.name, self.doc, labels=list(self.labels))
-        buckets, total = [], 0
-        for bound, n in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts):
-            total += n
-            buckets.append((bound, total))
-        family.add_metric(list(self.labels.values()), buckets, self.sum)
-        return [family]
+        return [histogram_family(self.name, self.doc, self.labels, self.bounds, self.counts, self.sum)]
 
 
 @dataclass(frozen=True)

@@ -167,6 +167,45 @@ def _object_args(reader: JsonReader) -> bool:
     return reader.error is None and (not reader.text or reader.text.startswith("{"))
 
 
+class _NotFormat(Exception):
+    """The text is not the parser's format (read() answers _failed: all of it is content)."""
+
+
+def _required(text: str, pos: int, literal: str, final: bool) -> int | None:
+    """Whitespace, then `literal` at pos, as the format requires: the position after it; None
+    while the text so far may still become it. Raises _NotFormat."""
+    status, _, end = _expect(text, pos, (literal,), final)
+    if status == _OK:
+        return end
+    if status == _WAIT:
+        return None
+    raise _NotFormat
+
+
+def _json_calls(
+    memo: dict[Any, Any], text: str, start: int, calls_in: str | None, final: bool, calls: list[CallDraft]
+) -> int | None:
+    """Adds the call(s) of the JSON value at `start` to `calls`: where the value ends, None
+    while it is still coming."""
+    reader = _json_at(memo, text, start, calls_in, final)
+    if reader.error is not None or (final and not reader.done):
+        raise _NotFormat
+    calls += _calls_of(reader)
+    return start + reader.consumed if reader.done else None
+
+
+def _json_args(
+    memo: dict[Any, Any], text: str, start: int, name: str, final: bool, calls: list[CallDraft]
+) -> int | None:
+    """Adds a call named `name` whose arguments are the JSON object at `start` to `calls`:
+    where the object ends, None while it is still coming."""
+    reader = _json_at(memo, text, start, None, final)
+    if not _object_args(reader) or (final and not reader.done):
+        raise _NotFormat
+    calls.append(CallDraft(name, reader.text, reader.done))
+    return start + reader.consumed if reader.done else None
+
+
 # ---------------------------------------------------------------------- parsers
 class ToolParser:
     """Reads tool calls out of free text in one model family's format (see the module doc)."""
@@ -195,40 +234,62 @@ class ToolParser:
         return draft.content or None, [ToolCall(c.name or "", c.arguments) for c in draft.calls]
 
 
-class _MarkedJsonParser(ToolParser):
+class _MarkedParser(ToolParser):
+    """A format whose calls follow a marker (one of `opens`), read by one scan: the content is
+    the text before the first marker; at each marker `_calls_at` reads the call(s) there, then
+    the scan goes on at the next marker after them (the text between is dropped). A final text
+    with a marker but no call is not the format."""
+
+    opens: ClassVar[tuple[str, ...]] = ()
+
+    def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
+        return self._scan(text, final, memo)
+
+    def _scan(self, text: str, final: bool, memo: dict[Any, Any], at: int | None = None) -> Draft:
+        """`at`: where the calls start when the caller knows it (a format whose calls may also
+        open the output without a marker); None: at the first marker."""
+        if at is None:
+            content, pos = _before(text, self.opens, final)
+            if pos is None:
+                return Draft(content)
+        else:
+            content, pos = text[:at].rstrip(), at
+        calls: list[CallDraft] = []
+        try:
+            while pos is not None:
+                end = self._calls_at(text, pos, final, memo, calls)
+                found = None if end is None else _first_of(text, end, self.opens)
+                pos = found[0] if found else None
+        except _NotFormat:
+            return _failed(text)
+        if final and not calls:
+            return _failed(text)
+        return Draft(content, calls)
+
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
+        """Adds the call(s) at the marker at `pos` to `calls`: where the next marker may be,
+        None to stop (the text so far ends inside a call, or the format reads no further).
+        Raises _NotFormat."""
+        raise NotImplementedError
+
+
+class _MarkedJsonParser(_MarkedParser):
     """Calls as JSON after a marker: `opens` starts a call region, the JSON value there holds
     the call(s) (`calls_in` as JsonReader takes it), `close` (if any) must follow it; text up to
     the next marker is dropped."""
 
-    opens: ClassVar[tuple[str, ...]] = ()
     close: ClassVar[str | None] = None
     calls_in: ClassVar[str] = "value"
 
-    def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
-        content, pos = _before(text, self.opens, final)
-        if pos is None:
-            return Draft(content)
-        calls: list[CallDraft] = []
-        while pos is not None:
-            start = pos + next(len(m) for m in self.opens if text.startswith(m, pos))
-            reader = _json_at(memo, text, start, self.calls_in, final)
-            if reader.error is not None or (final and not reader.done):
-                return _failed(text)
-            calls += _calls_of(reader)
-            if not reader.done:
-                break
-            end = start + reader.consumed
-            if self.close is not None:
-                status, _, end = _expect(text, end, (self.close,), final)
-                if status == _FAIL:
-                    return _failed(text)
-                if status != _OK:
-                    break
-            found = _first_of(text, end, self.opens)
-            pos = found[0] if found else None
-        if final and not calls:
-            return _failed(text)
-        return Draft(content, calls)
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
+        start = pos + next(len(m) for m in self.opens if text.startswith(m, pos))
+        end = _json_calls(memo, text, start, self.calls_in, final, calls)
+        if end is None or self.close is None:
+            return end
+        status, _, end = _expect(text, end, (self.close,), final)
+        if status == _FAIL:
+            raise _NotFormat
+        return end if status == _OK else None
 
 
 class HermesParser(_MarkedJsonParser):
@@ -250,142 +311,96 @@ class Granite20bFCParser(_MarkedJsonParser):
     opens = ("<function_call>",)
 
 
-class Llama3JsonParser(ToolParser):
+class Llama3JsonParser(_MarkedParser):
     """JSON objects separated by ';' at the start of the output or after <|python_tag|>; what
     follows the last one is dropped."""
 
     name = "llama3_json"
     tag = "<|python_tag|>"
+    opens = (tag,)
 
     def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
         lead = _skip_space(text, 0)
-        if text.startswith("{", lead):
-            content, start = "", lead
-        else:
-            content, pos = _before(text, (self.tag,), final)
-            if pos is None:
-                return Draft(content)
-            start = pos + len(self.tag)
-        calls: list[CallDraft] = []
-        while True:
-            reader = _json_at(memo, text, start, "value", final)
-            if reader.error is not None or (final and not reader.done):
-                return _failed(text)
-            calls += _calls_of(reader)
-            if not reader.done:
+        return self._scan(text, final, memo, lead if text.startswith("{", lead) else None)
+
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
+        start = pos + len(self.tag) if text.startswith(self.tag, pos) else pos
+        while (end := _json_calls(memo, text, start, "value", final, calls)) is not None:
+            while end < len(text) and text[end] in " \t\r\n;":
+                end += 1
+            if not text.startswith("{", end):
                 break
-            nxt = start + reader.consumed
-            while nxt < len(text) and text[nxt] in " \t\r\n;":
-                nxt += 1
-            if not text.startswith("{", nxt):
-                break
-            start = nxt
-        return Draft(content, calls)
+            start = end
+        return None
 
 
-class MistralParser(ToolParser):
+class MistralParser(_MarkedParser):
     """[TOOL_CALLS] then a JSON list of calls (or one call), or the newer tokenizers'
     [TOOL_CALLS]name[ARGS]{...}, once per call."""
 
     name = "mistral"
     keep_special_tokens = True
     tag = "[TOOL_CALLS]"
+    opens = (tag,)
     args_tag = "[ARGS]"
     _name = re.compile(r"[A-Za-z0-9_.\-]*")
 
-    def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
-        content, pos = _before(text, (self.tag,), final)
-        if pos is None:
-            return Draft(content)
-        calls: list[CallDraft] = []
-        while pos is not None:
-            start = _skip_space(text, pos + len(self.tag))
-            if start == len(text):
-                if final and not calls:
-                    return _failed(text)
-                break
-            if text[start] in "[{":
-                reader = _json_at(memo, text, start, "either", final)
-                if reader.error is not None or (final and not reader.done):
-                    return _failed(text)
-                calls += _calls_of(reader)
-                if not reader.done:
-                    break
-                end = start + reader.consumed
-            else:
-                m = self._name.match(text, start)
-                name_end = m.end() if m else start
-                if name_end == len(text) and not final:
-                    break
-                if name_end == start or not text.startswith(self.args_tag, name_end):
-                    if not final and self.args_tag.startswith(text[name_end:]):
-                        break
-                    return _failed(text)
-                reader = _json_at(memo, text, name_end + len(self.args_tag), None, final)
-                if not _object_args(reader) or (final and not reader.done):
-                    return _failed(text)
-                calls.append(CallDraft(text[start:name_end], reader.text, reader.done))
-                if not reader.done:
-                    break
-                end = name_end + len(self.args_tag) + reader.consumed
-            found = text.find(self.tag, end)
-            pos = found if found >= 0 else None
-        if final and not calls:
-            return _failed(text)
-        return Draft(content, calls)
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
+        start = _skip_space(text, pos + len(self.tag))
+        if start == len(text):
+            return None
+        if text[start] in "[{":
+            return _json_calls(memo, text, start, "either", final, calls)
+        m = self._name.match(text, start)
+        name_end = m.end() if m else start
+        if name_end == len(text) and not final:
+            return None
+        if name_end == start or not text.startswith(self.args_tag, name_end):
+            if not final and self.args_tag.startswith(text[name_end:]):
+                return None
+            raise _NotFormat
+        return _json_args(memo, text, name_end + len(self.args_tag), text[start:name_end], final, calls)
 
 
-class DeepSeekV3Parser(ToolParser):
+class DeepSeekV3Parser(_MarkedParser):
     name = "deepseek_v3"
     calls_begin = "<｜tool▁calls▁begin｜>"
     calls_end = "<｜tool▁calls▁end｜>"
     call_begin = "<｜tool▁call▁begin｜>"
     call_end = "<｜tool▁call▁end｜>"
     sep = "<｜tool▁sep｜>"
+    opens = (calls_begin,)
 
-    def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
-        content, pos = _before(text, (self.calls_begin,), final)
-        if pos is None:
-            return Draft(content)
-        calls: list[CallDraft] = []
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
         p = pos + len(self.calls_begin)
         while True:
             status, which, p = _expect(text, p, (self.call_begin, self.calls_end), final)
             if status in (_WAIT, _END) or which == self.calls_end:
-                break
+                return None
             if status == _FAIL:
-                return _failed(text)
+                raise _NotFormat
             sep = text.find(self.sep, p)
             newline = text.find("\n", sep + len(self.sep)) if sep >= 0 else -1
             if newline < 0:
                 if final:
-                    return _failed(text)
-                break
+                    raise _NotFormat
+                return None
             name = text[sep + len(self.sep) : newline].strip()
             if not name or any(ch.isspace() for ch in name):
-                return _failed(text)
-            status, _, start = _expect(text, newline, ("```json",), final)
-            if status == _WAIT:
-                break
-            if status != _OK:
-                return _failed(text)
-            reader = _json_at(memo, text, start, None, final)
-            if not _object_args(reader) or (final and not reader.done):
-                return _failed(text)
-            calls.append(CallDraft(name, reader.text, reader.done))
-            if not reader.done:
-                break
-            p = start + reader.consumed
-            status, _, p = _expect(text, p, ("```",), final)
+                raise _NotFormat
+            start = _required(text, newline, "```json", final)
+            if start is None:
+                return None
+            end = _json_args(memo, text, start, name, final, calls)
+            if end is None:
+                return None
+            status, _, p = _expect(text, end, ("```",), final)
             if status == _OK:
                 status, _, p = _expect(text, p, (self.call_end,), final)
             if status == _FAIL:
-                return _failed(text)
+                raise _NotFormat
             if status != _OK:
-                break
-        if final and not calls:
-            return _failed(text)
-        return Draft(content, calls)
+                return None
 
 
 class HarmonyParser(ToolParser):

@@ -16,11 +16,13 @@ from kvtier.server.tool_parsers import (
     CallDraft,
     Draft,
     ToolParser,
-    _before,
     _expect,
     _failed,
     _first_of,
+    _MarkedParser,
+    _NotFormat,
     _partial_tail,
+    _required,
     _skip_space,
 )
 
@@ -261,7 +263,7 @@ def coerce(value: str, types: set[str]) -> Any:
     return parsed if _finite(parsed) else value
 
 
-class Qwen3CoderParser(ToolParser):
+class Qwen3CoderParser(_MarkedParser):
     """<tool_call><function=NAME><parameter=P>\\nVALUE\\n</parameter>...</function></tool_call>.
     A value ends at </parameter>, the next <parameter= or </function>; one newline either side
     of it is markup. Values are text converted with the tool's schema (`coerce`); a string
@@ -273,35 +275,24 @@ class Qwen3CoderParser(ToolParser):
     value_ends = ("</parameter>", "<parameter=", "</function>")
     _bad_name = re.compile(r"[{}<>\"' \t\r\n]")
 
-    def read(self, text: str, final: bool, memo: dict[Any, Any]) -> Draft:
-        content, pos = _before(text, self.opens, final)
-        if pos is None:
-            return Draft(content)
-        calls: list[CallDraft] = []
-        while pos is not None:
-            p = pos + len("<tool_call>") if text.startswith("<tool_call>", pos) else pos
-            status, _, p = _expect(text, p, ("<function=",), final)
-            if status == _WAIT:
-                break
-            if status != _OK:
-                return _failed(text)
-            gt = text.find(">", p)
-            name = text[p:gt] if gt >= 0 else text[p:]
-            if self._bad_name.search(name) or (gt >= 0 and not name) or (gt < 0 and final):
-                return _failed(text)
-            if gt < 0:
-                break
-            call = CallDraft(name, "{")
-            calls.append(call)
-            p = self._parameters(text, gt + 1, final, call, memo)
-            if not call.done:
-                break
-            status, _, p = _expect(text, p, ("</tool_call>",), final)
-            if status == _WAIT:
-                break
-            found = _first_of(text, p, self.opens)
-            pos = found[0] if found else None
-        return Draft(content, calls)
+    def _calls_at(self, text: str, pos: int, final: bool, memo: dict[Any, Any], calls: list[CallDraft]) -> int | None:
+        p = pos + len("<tool_call>") if text.startswith("<tool_call>", pos) else pos
+        start = _required(text, p, "<function=", final)
+        if start is None:
+            return None
+        gt = text.find(">", start)
+        name = text[start:gt] if gt >= 0 else text[start:]
+        if self._bad_name.search(name) or (gt >= 0 and not name) or (gt < 0 and final):
+            raise _NotFormat
+        if gt < 0:
+            return None
+        call = CallDraft(name, "{")
+        calls.append(call)
+        p = self._parameters(text, gt + 1, final, call, memo)
+        if not call.done:
+            return None
+        status, _, p = _expect(text, p, ("</tool_call>",), final)
+        return None if status == _WAIT else p
 
     def _properties(self, name: str) -> dict[str, Any] | None:
         for tool in self.tools:

@@ -148,6 +148,21 @@ none; kvtier's remote tier is a shared store, vLLM's "external_unspecified")."""
 SLEEP_STATES = {"awake": 1, "weights_offloaded": 0, "discard_all": 0}
 
 
+def histogram_family(
+    name: str, doc: str, labels: dict[str, str], bounds: Iterable[float], counts: Iterable[int], total: float
+) -> HistogramMetricFamily:
+    """One histogram series with constant labels from counts kept per bucket (not cumulative,
+    the last for values above every bound), as kvtier keeps them: cheaper to add to than
+    Prometheus' cumulative ones, summed up once at scrape time."""
+    buckets, running = [], 0
+    for bound, n in zip([*map(floatToGoString, bounds), "+Inf"], counts):
+        running += n
+        buckets.append((bound, running))
+    family = HistogramMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), buckets, total)
+    return family
+
+
 def request_token_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's buckets of per-request token counts: 1, 2, 5, 10, 20, ... up to max_model_len."""
     out: list[int] = []
@@ -259,13 +274,14 @@ def vllm_engine_families(es: EngineStats, model_name: str) -> Iterable[Metric]:
         {source: cached.get(tier, 0) if tier else 0 for source, tier in CACHE_HIT_SOURCES.items()},
     )
     yield counter("generation_tokens", "Tokens generated.", es.num_generation_tokens)
-    buckets, running = [], 0
-    for bound, n in zip([*map(floatToGoString, es.iteration_token_buckets), "+Inf"], es.iteration_token_counts):
-        running += n
-        buckets.append((bound, running))
-    hist = HistogramMetricFamily(VLLM_PREFIX + "iteration_tokens_total", "Tokens per engine step.", labels=base)
-    hist.add_metric(values, buckets, es.num_batched_tokens)
-    yield hist
+    yield histogram_family(
+        VLLM_PREFIX + "iteration_tokens_total",
+        "Tokens per engine step.",
+        dict(zip(base, values)),
+        es.iteration_token_buckets,
+        es.iteration_token_counts,
+        es.num_batched_tokens,
+    )
     for name in ("flops", "read_bytes", "write_bytes"):
         yield counter(f"estimated_{name}_per_gpu", f"Estimated {name} per GPU (0: not estimated).", 0)
     info = _cache_config_info(es.cache_info)

@@ -1,6 +1,7 @@
 """KV events from kvtier's engine (kvtier.kv_events): a subscriber that knows only the stream
 rebuilds, per medium, exactly what the engine's device pool and tiers hold; replay, restarts,
-purges, resets, eviction pressure; nothing published when events are off."""
+purges, resets, eviction pressure; nothing published when events are off; LoRA blocks carry
+their adapter's id and name."""
 
 from __future__ import annotations
 
@@ -14,19 +15,22 @@ from typing import Any
 import msgspec
 import pytest
 from engineutil import clean
+from lorautil import make_adapter
 
-from kvtier import LLM, SamplingParams
+from kvtier import LLM, LoRARequest, SamplingParams
 from kvtier.kv_events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    KVEventRecorder,
     KVEventsConfig,
     block_hash,
     salt_digest,
 )
 from kvtier.kvcache.keys import chain_keys, root_key
+from kvtier.lora import lora_fingerprint
 
 zmq = pytest.importorskip("zmq")
 
@@ -249,6 +253,72 @@ def test_purge_reset_salts_and_restart(byte_model_dir: Path) -> None:
     finally:
         llm.close()
         sub.close()
+
+
+def test_lora_blocks_carry_the_adapters_id(byte_model_dir: Path, tmp_path: Path) -> None:
+    """As vLLM 0.32's block pool fills BlockStored from the request: lora_id is the adapter's
+    lora_int_id and lora_name its name, on the device and on the tiers that store the blocks
+    after it; the base model's blocks (the same tokens, another chain) carry None."""
+    pytest.importorskip("peft", reason="PEFT writes the adapter (pip install 'kvtier[test]')")
+    adapter = LoRARequest("sql", 7, str(make_adapter(byte_model_dir, tmp_path / "sql", seed=1)))
+    port, replay = _port(), _port()
+    sub = Subscriber(port, replay)
+    llm = _events_llm(
+        byte_model_dir, port, replay, num_device_blocks=64, host_cache_bytes=1 << 20, enable_lora=True, max_loras=1
+    )
+    try:
+        core = llm.engine
+        p = list(range(10, 30))
+        llm.generate([{"prompt_token_ids": p}], GREEDY, lora_request=adapter)
+        llm.generate([{"prompt_token_ids": p}], GREEDY)
+        core.tiers.flush()
+        weights = core.loras.get(adapter)
+        chains = {
+            lora_id: [block_hash(k) for k in chain_keys(root_key(fp, None), p, BS)]
+            for lora_id, fp in (
+                (7, lora_fingerprint(core.runner.fingerprint, weights.key)),
+                (None, core.runner.fingerprint),
+            )
+        }
+        want = {h for hashes in chains.values() for h in hashes}
+        media = [("GPU", None), ("CPU", "LOCAL")]
+        sub.drain(until=lambda: all(want <= set(sub.media.get(m, {})) for m in media))
+        seen: dict[tuple[str | None, int], tuple[int | None, str | None]] = {}
+        for payload in sub.payloads:
+            for ev in DECODER.decode(payload).events:
+                if isinstance(ev, BlockStored):
+                    for h in ev.block_hashes:
+                        seen[(ev.medium, h)] = (ev.lora_id, ev.lora_name)
+        assert set(chains[7]).isdisjoint(chains[None]), "the adapter's blocks are its own"
+        for medium in ("GPU", "CPU"):
+            assert [seen[(medium, h)] for h in chains[7]] == [(7, "sql")] * len(chains[7]), medium
+            assert [seen[(medium, h)] for h in chains[None]] == [(None, None)] * len(chains[None]), medium
+        clean(llm)
+    finally:
+        llm.close()
+        sub.close()
+
+
+def test_a_chain_that_changes_adapter_name_is_split() -> None:
+    """An adapter served under two names (the same files) shares its blocks, so one chain may be
+    extended under another LoRARequest: its blocks go out in separate events, each with the id
+    and name of the request that computed it (one event of a chain carries one lora_id)."""
+    rec = KVEventRecorder(BS, None)
+    a, alias = LoRARequest("a", 1, "/adapters/a"), LoRARequest("a-alias", 9, "/adapters/a")
+    keys = chain_keys(root_key(b"fp", None), list(range(12)), BS)
+    rec.stored(keys[0], b"", [0, 1, 2, 3], True, None, a)
+    rec.stored(keys[1], keys[0], [4, 5, 6, 7], False, None, a)
+    rec.stored(keys[2], keys[1], [8, 9, 10, 11], False, None, alias)
+    stored = [e for e in rec.take() if isinstance(e, BlockStored)]
+    assert [(e.block_hashes, e.parent_block_hash, e.lora_id, e.lora_name) for e in stored] == [
+        ([block_hash(keys[0]), block_hash(keys[1])], None, 1, "a"),
+        ([block_hash(keys[2])], block_hash(keys[1]), 9, "a-alias"),
+    ]
+    watch = rec.tier_watch("host")  # a tier's store of the block: the same id and name
+    watch(keys[2], True)
+    assert [(e.medium, e.lora_id, e.lora_name) for e in rec.take() if isinstance(e, BlockStored)] == [
+        ("CPU", 9, "a-alias")
+    ]
 
 
 def test_nothing_is_published_when_events_are_off(byte_model_dir: Path) -> None:

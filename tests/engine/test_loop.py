@@ -236,3 +236,97 @@ def test_stop_fails_what_is_in_flight_and_ends_the_loop(end: Any) -> None:
     assert fail is not None and fail.dead and fail.request_ids == ["a"]
     assert replies[2].error is not None and replies[2].error.dead
     assert replies[3].error is None
+
+
+class Scripted:
+    """A transport whose arrivals are scripted on the loop's clock: command list i arrives at
+    (i + 1) * tick_s, a STOP a second after the last; receive(timeout) returns what has arrived by now + timeout
+    (moving the clock to the arrival, or by the timeout when nothing comes). The timeouts asked
+    for are kept."""
+
+    def __init__(self, script: list[list[Any]], tick_s: float) -> None:
+        self.arrivals = [((i + 1) * tick_s, cmds) for i, cmds in enumerate(script)]
+        self.arrivals.append((len(script) * tick_s + 1.0, [AdminCall(-1, AdminOp.STOP)]))  # once all is done
+        self.now = 0.0
+        self.timeouts: list[float | None] = []
+        self.sent: list[Any] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def receive(self, timeout_s: float | None) -> list[Any]:
+        self.timeouts.append(timeout_s)
+        at, cmds = self.arrivals[0]
+        if timeout_s is not None and at > self.now + timeout_s:
+            self.now += timeout_s
+            return []
+        self.now = max(self.now, at)
+        self.arrivals.pop(0)
+        return list(cmds)
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def first_step_requests(transport: Scripted) -> set[str]:
+    """The requests of the first Outputs message (the first step's)."""
+    first = next(m for m in transport.sent if isinstance(m, Outputs))
+    return {d.request_id for d in first.deltas}
+
+
+def run_scripted(llm: Any, script: list[list[Any]], tick_s: float, wait_s: float) -> Scripted:
+    transport = Scripted(script, tick_s)
+    loop = EngineLoop(llm.engine, transport)
+    loop.clock = transport.clock
+    loop.admission_wait_s = wait_s
+    loop.run()
+    clean(llm)
+    return transport
+
+
+def add(call_id: int, rid: str) -> AddBatch:
+    return AddBatch(call_id, [AddRequest(rid, [5, 6, 7, call_id], GREEDY)])
+
+
+def test_an_idle_engine_gathers_a_burst_into_its_first_step(llm: Any) -> None:
+    """Requests that reach an idle engine one after another (the front-end hands over a burst one
+    by one) start in the same step: the loop keeps taking arrivals, each within the gap, before it
+    steps; the wait ends at the first gap with nothing."""
+    t = run_scripted(llm, [[add(1, "a")], [add(2, "b")], [add(3, "c")]], tick_s=0.001, wait_s=0.02)
+    assert first_step_requests(t) == {"a", "b", "c"}
+    assert t.timeouts[1:3] == [pytest.approx(0.004)] * 2  # ADMISSION_GAP_S each
+
+
+def test_a_gap_ends_the_wait(llm: Any) -> None:
+    """An arrival later than the gap after the last one is left to the next step."""
+    t = run_scripted(llm, [[add(1, "a")], [add(2, "b")]], tick_s=0.006, wait_s=0.02)
+    assert first_step_requests(t) == {"a"}
+
+
+def test_the_admission_wait_is_bounded(llm: Any) -> None:
+    """A stream of arrivals that never pauses does not hold the first step past the wait: with
+    an arrival every 3 ms (inside the 4 ms gap) and a 10 ms wait, the first step takes the
+    arrivals at 3, 6, 9 and 12 ms (the wait runs from the first, 3 to 13 ms) and not the fifth."""
+    script = [[add(i, f"r{i}")] for i in range(1, 7)]
+    t = run_scripted(llm, script, tick_s=0.003, wait_s=0.01)
+    assert first_step_requests(t) == {"r1", "r2", "r3", "r4"}
+
+
+def test_without_the_wait_the_first_arrival_steps_alone(llm: Any) -> None:
+    t = run_scripted(llm, [[add(1, "a")], [add(2, "b")]], tick_s=0.001, wait_s=0.0)
+    assert first_step_requests(t) == {"a"}
+
+
+def test_admission_wait_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.engine import loop
+
+    monkeypatch.setenv(loop.ADMISSION_WAIT_ENV, "7.5")
+    assert loop.admission_wait_s() == pytest.approx(0.0075)
+    monkeypatch.setenv(loop.ADMISSION_WAIT_ENV, "0")
+    assert loop.admission_wait_s() == 0.0
+    for bad in ("-1", "soon", "nan", "inf"):
+        monkeypatch.setenv(loop.ADMISSION_WAIT_ENV, bad)
+        with pytest.raises(ValueError, match=loop.ADMISSION_WAIT_ENV):
+            loop.admission_wait_s()
+    monkeypatch.delenv(loop.ADMISSION_WAIT_ENV)
+    assert loop.admission_wait_s() == loop.ADMISSION_WAIT_S

@@ -2,8 +2,9 @@
 tokens of one sequence, each causal over its cached prefix and the chunk, straight from a bfloat16
 paged pool. Against torch's SDPA over the gathered cache in float32: every GQA group, head dim,
 block size, chunk length and prefix length it takes; tables outside the pool are errors; shapes it
-does not take fall back to SDPA; both of its variants (bf16 dot products, float32 FMAs). Also the torch path's split attention (prefix + causal chunk merged
-by log-sum-exp) against one masked SDPA call."""
+does not take fall back to SDPA; both of its variants (bf16 dot products, float32 FMAs), and the
+measured choice of torch's SDPA instead of the kernel. Also the torch path's split attention
+(prefix + causal chunk merged by log-sum-exp) against one masked SDPA call."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def test_chunk_variant_override(monkeypatch):
     monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "fma")
     attention.chunk_variant.cache_clear()
     assert attention.chunk_variant(12, 4, 64) == attention.CHUNK_FMA
+    monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "sdpa")
+    attention.chunk_variant.cache_clear()
+    assert attention.chunk_variant(12, 4, 64) == attention.CHUNK_SDPA
     monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "fast")
     attention.chunk_variant.cache_clear()
     with pytest.raises(ValueError, match=attention.CHUNK_VARIANT_ENV):
@@ -113,6 +117,8 @@ def test_matches_sdpa_across_groups_head_dims_and_block_sizes(heads, kv_heads, d
 def test_short_chunks_go_to_the_chunk_kernel_on_a_bfloat16_pool_only(rows_faster, monkeypatch):
     # bind_pool times decode rows against the chunk kernel once per process; fix the verdict here
     monkeypatch.setattr(attention, "decode_rows_beat_chunk_kernel", lambda *a, **k: rows_faster)
+    # and the kernel against torch's SDPA (a CPU with AMX picks SDPA: test_sdpa_choice_... below)
+    monkeypatch.setattr(attention, "chunk_variant", lambda *a, **k: attention.CHUNK_DPBF16)
     backend = TorchPagedAttention(12, 4, 64)
     seq = ScheduledSeq("r", [1, 2, 3, 4], 100, list(range(7)), True)
     backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
@@ -194,3 +200,55 @@ def test_a_steps_prefills_in_one_batch_call_equal_the_per_sequence_calls(variant
         assert_bf16_close(one, reference(q[p.token_start : p.token_end], pool, seq.block_ids, start, 3))
     row = meta.decode.token_idx[0]
     assert_bf16_close(got[row : row + 1], reference(q[row : row + 1], pool, seqs[2].block_ids, 300, 3))
+
+
+def test_measured_choice_is_one_of_the_three(monkeypatch):
+    """Without the variable, chunk_variant times both kernel variants and torch's SDPA on this CPU
+    and names one of them (which one depends on the CPU: SDPA wins where torch uses AMX tiles)."""
+    monkeypatch.delenv(attention.CHUNK_VARIANT_ENV, raising=False)
+    attention.chunk_variant.cache_clear()
+    try:
+        assert attention.chunk_variant(12, 4, 64, repeats=1) in (
+            attention.CHUNK_DPBF16,
+            attention.CHUNK_FMA,
+            attention.CHUNK_SDPA,
+        )
+    finally:
+        attention.chunk_variant.cache_clear()
+
+
+@needs_kernel
+def test_sdpa_choice_leaves_the_chunk_kernel_out_and_matches(monkeypatch):
+    """With CHUNK_SDPA bound (the kernel lost to torch's SDPA on this CPU), a step's prefills build
+    no kernel batch, go through torch's SDPA on the gathered blocks, and equal the reference; short
+    chunks over a prefix go to the decode rows as on a CPU without the chunk kernel."""
+    monkeypatch.setenv(attention.CHUNK_VARIANT_ENV, "sdpa")
+    attention.chunk_variant.cache_clear()
+    try:
+        backend = TorchPagedAttention(12, 4, 64)
+        backend.bind_pool(torch.bfloat16, torch.bfloat16, torch.device("cpu"))
+    finally:
+        attention.chunk_variant.cache_clear()
+    assert backend.chunk_variant == attention.CHUNK_SDPA
+    assert backend.native_chunk_max_tokens == attention.NATIVE_CHUNK_MAX_TOKENS
+    g = torch.Generator().manual_seed(11)
+    bs, num_blocks = 16, 160
+    pool = torch.randn(2, 4, num_blocks, bs, 64, generator=g).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    shapes = [(37, 0), (128, 512), (1, 300), (61, 17)]
+    seqs = []
+    for i, (n, start) in enumerate(shapes):
+        table = [free.pop() for _ in range(-(-(start + n) // bs))]
+        seqs.append(ScheduledSeq(f"r{i}", list(range(n)), start, table, True))
+    meta = backend.build_metadata(seqs, bs, torch.device("cpu"))
+    assert meta.prefill_batch is None and len(meta.prefills) == 3
+    total = sum(n for n, _ in shapes)
+    q = torch.randn(total, 12, 64, generator=g).to(torch.bfloat16)
+    k = torch.randn(total, 4, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(total, 4, 64, generator=g).to(torch.bfloat16)
+    backend.write_kv(k, v, pool, meta)
+    assert backend._chunk_native(q[:37], pool, meta.prefills[0]) is None
+    got = backend.forward(q, k, v, pool, meta)
+    for p, (seq, (_n, start)) in zip(meta.prefills, [(s, sh) for s, sh in zip(seqs, shapes) if sh[0] > 1]):
+        want = reference(q[p.token_start : p.token_end], pool, seq.block_ids, start, 3)
+        assert_bf16_close(got[p.token_start : p.token_end], want)

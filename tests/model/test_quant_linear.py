@@ -12,13 +12,22 @@ import torch.nn.functional as F
 from kvtier import LLM, SamplingParams
 from kvtier.model import gguf as kgguf
 from kvtier.model import native, quant_linear
-from kvtier.model.quant_linear import Q4, Q8, QuantLinear, QuantWeight, from_gguf, quantize_int8
+from kvtier.model.quant_linear import Q4, Q8, Q8S16, QuantLinear, QuantWeight, from_gguf, quantize_int8
 from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'kvtier[gguf]') reads GGUF files")
 
-FP16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2), "Q5_K": (0, 2)}
+FP16_FIELDS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -39,9 +48,10 @@ def test_repacked_gguf_blocks_hold_the_values_the_file_holds(type_name):
     data = random_blocks(type_name, n, k, quant_linear.GGUF_REPACKED.index(type_name))
     want = kgguf.dequantize(type_name, data).reshape(n, k)
     w = from_gguf(type_name, torch.from_numpy(data), n, k)
-    assert w.fmt == (Q4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else Q8)
+    assert w.fmt == (Q4 if type_name in ("Q4_0", "Q4_1", "Q4_K") else Q8S16 if type_name == "Q6_K" else Q8)
     assert w.nbytes < n * k * 2  # smaller than bfloat16
     # Q4_K / Q5_K fold each sub-block's 6-bit scale into a float16 scale: relative error <= 2^-11
+    # (Q6_K keeps its int8 16-element scales beside d: exact)
     exact = type_name not in ("Q4_K", "Q5_K")
     for native_on in (True, False):
         if native_on:
@@ -61,12 +71,16 @@ def make_weight(fmt: str, n: int, k: int, affine: bool, seed: int = 0) -> QuantW
     m = (torch.randn(n, k // 32, generator=g) * 0.05).half() if affine else None
     if fmt == Q8:
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8).view(torch.uint8)
+    elif fmt == Q8S16:  # every int8 value and half-block scale
+        ints = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int16).to(torch.int8)
+        s = torch.randint(-128, 128, (n, k // 32, 2), generator=g, dtype=torch.int16).to(torch.int8)
+        q = QuantWeight._s16_pack(ints, s, interleaved=False)
     else:
         q = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.int16).to(torch.uint8)
     return QuantWeight(fmt, q, d, m, n, k)
 
 
-@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q8, True), (Q4, True)])
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q8, True), (Q4, True), (Q8S16, False), (Q8S16, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [96, 320])  # 3 blocks: no whole group; 10: one interleaved group and a tail
 def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, dtype, k):
@@ -87,7 +101,7 @@ def test_the_kernel_computes_the_dense_product_of_the_same_weights(fmt, affine, 
             torch.testing.assert_close(layer(x).double(), want, rtol=tol, atol=tol * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True), (Q8S16, False)])
 def test_integer_activations_stay_within_their_rounding(fmt, affine):
     """x quantized per block of 32 to int16: the error is x's rounding, about 1/65534 of each
     block's largest value, not a wrong product, on every path of the kernel (tiles of 8, 4, 2 and 1
@@ -130,6 +144,16 @@ def test_fused_parts_of_different_layouts_join_exactly():
     both = QuantWeight.cat([a, b])
     assert both.fmt == Q8 and both.n == 14
     torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]), rtol=0, atol=0)
+    # beside a part with 16-element scales: q8s16 with s = 1, in either layout
+    c = make_weight(Q8S16, 5, 64, False, 3)
+    for interleaved in (False, True):
+        parts = [p.interleave() if interleaved else p for p in (a, b, c)]
+        joined = QuantWeight.cat(parts)
+        assert joined.fmt == Q8S16 and joined.n == 19 and joined.interleaved == interleaved
+        want = torch.cat([p.dequantize() for p in parts])
+        torch.testing.assert_close(joined.dequantize(), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="joins others as q8s16"):
+        c.as_q8()
     order = torch.tensor([3, 1, 0, 2])
     torch.testing.assert_close(a.rows(order).dequantize(), a.dequantize()[order], rtol=0, atol=0)
 
@@ -207,7 +231,7 @@ def test_an_unknown_activation_mode_is_a_clear_error_at_load(monkeypatch):
     QuantLinear(make_weight(Q8, 8, 32, False), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True)])
+@pytest.mark.parametrize("fmt,affine", [(Q8, False), (Q4, True), (Q8S16, True)])
 def test_the_interleaved_layout_holds_the_same_values(fmt, affine):
     """QuantLinear keeps its weight interleaved (groups of 8 blocks in the kernel's order, the
     tail blocks as they were): the values, their q8 form and the native dequantization are the
@@ -218,12 +242,14 @@ def test_the_interleaved_layout_holds_the_same_values(fmt, affine):
         assert inter.interleaved and inter.interleave() is not inter  # idempotent, a new view
         assert inter.nbytes == w.nbytes
         assert torch.equal(inter.values(), w.values())
-        assert torch.equal(inter.as_q8().values(), w.values()) and inter.as_q8().interleaved
+        wide = inter.as_q8s16() if fmt == Q8S16 else inter.as_q8()
+        assert torch.equal(wide.values(), w.values()) and wide.interleaved
+        assert torch.equal(inter.as_q8s16().dequantize(), w.dequantize())
         assert torch.equal(inter.dequantize(), w.dequantize())  # native where it runs, torch otherwise
         with native.disabled("quant_gemm"):
             assert torch.equal(inter.dequantize(torch.bfloat16), w.dequantize(torch.bfloat16))
         assert torch.equal(inter.rows(torch.tensor([3, 1])).values(), w.values()[[3, 1]])
-        if k >= 256 and fmt == Q8:  # the layout moved bytes (q4: nibbles)
+        if k >= 256 and fmt != Q4:  # the layout moved bytes (q4: nibbles)
             assert not torch.equal(inter.q, w.q)
 
 

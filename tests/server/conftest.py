@@ -16,6 +16,16 @@ test_concurrent_streaming_clients, test_lm_eval_local_completions_loglikelihood 
 logprobs path runs in both modes in test_vllm_extras.py), test_fleet_keys.py (two servers
 and Redis a test; purges run in both modes in test_purge*.py) and
 test_per_key_concurrency_429_with_retry_after (a limit of the HTTP layer, before the engine).
+The HTTP-layer features added later are pinned to the process mode by module (the engine mode
+is the transport under them, not part of them), each keeping in both modes the test that
+crosses the engine client: test_responses_api.py (a translation onto the chat route; one
+request plain and streamed, test_text_and_stream_agree, in both), test_lora_serving.py (adapter
+names, /v1/models, the admin routes; requests carrying adapters and the runtime load, the
+engine's refusal of one included, in both), test_vllm_endpoints.py (SageMaker routes, /load,
+request fields, TLS; the reset of the prefix cache and its tiers in both) and
+test_grafana_queries.py (series names, types and twins; the dashboard's queries, which read the
+engine's statistics, in both): 55 fewer runs, about 10 s of tests/server's 734 s (most of a
+duplicate's cost is its server's start, and each module still starts one per mode).
 
 One mode only, each for its own reason:
 - an `engine_modes(...)` marker (pyproject's markers) pins a test, class or module;
@@ -24,8 +34,8 @@ One mode only, each for its own reason:
 - PINNED below, for modules owned elsewhere: test_engine_process.py is about the engine
   process (its pid, a crash of it, its metrics): process only, but for its
   --engine-in-process test (in-process only).
-Not through `serve`, so not parametrized: test_vllm_drop_in.py (a model card's command as
-it is: the default process mode), the in-process apps over an engine in the test process
+Not through `serve`, so not parametrized: test_vllm_drop_in.py and test_vllm_command_lines.py
+(vLLM's command lines as they are: the default process mode), the in-process apps over an engine in the test process
 (test_metrics.py, test_ttl.py, test_drift_metrics.py's offline part), test_async_engine.py
 (the in-process client itself) and the unit tests (flags, detokenizer, tool parsers,
 template limits).

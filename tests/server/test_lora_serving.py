@@ -17,7 +17,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serverutil import BLOCK_SIZE, MODEL_NAME, NUM_DEVICE_BLOCKS, Server, free_port, start_server, stop_server
+from serverutil import (
+    BLOCK_SIZE,
+    ENGINE_MODES,
+    MODEL_NAME,
+    NUM_DEVICE_BLOCKS,
+    Server,
+    free_port,
+    start_server,
+    stop_server,
+)
 
 pytest.importorskip("peft", reason="PEFT makes the test adapters (pip install 'kvtier[test]')")
 
@@ -25,6 +34,12 @@ from lorautil import make_adapter
 
 from kvtier import LLM, LoRARequest, SamplingParams
 
+# Which adapter a request names, /v1/models, the admin routes and the KV keys are the server's and
+# the engine's alike in either engine mode: the default process mode only (conftest.py). What
+# crosses the engine client runs in both: requests carrying an adapter
+# (test_adapters_and_base_model_in_concurrent_requests_match_offline) and the runtime load,
+# the engine's refusal of one included (test_load_and_unload_round_trip).
+pytestmark = pytest.mark.engine_modes("process")
 ADMIN_KEY = "lora-admin-key-for-the-tests"
 MAX_TOKENS = 8
 PROMPTS = {  # token ids of the byte-level tokenizer, one prompt per request of the concurrent batch
@@ -137,6 +152,7 @@ def model_ids(s: Server) -> dict[str, dict]:
 
 
 # ------------------------------------------------------------------ requests naming adapters
+@pytest.mark.engine_modes(*ENGINE_MODES)
 def test_adapters_and_base_model_in_concurrent_requests_match_offline(lserver, offline):
     """a, b and the base model at once (two adapters: --max-loras 2), each twice: greedy
     tokens equal the offline engine's with the same adapter; each answer names its model."""
@@ -200,7 +216,15 @@ def test_one_prompt_under_two_adapters_and_the_base_shares_no_kv(lserver):
 
 
 # ------------------------------------------------------------------ loading and unloading
+@pytest.mark.engine_modes(*ENGINE_MODES)
 def test_load_and_unload_round_trip(lserver, adapters, offline):
+    # an adapter the engine refuses: its reason comes back over the engine client, nothing stays
+    r = admin(lserver, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["big"])})
+    assert r.status_code == 400 and "above max_lora_rank=16" in r.json()["error"]["message"], r.text
+    assert set(model_ids(lserver)) == {MODEL_NAME, "a", "b"}
+    with pytest.raises(openai.NotFoundError):
+        complete(lserver, "x", "Hello")
+
     load = {"lora_name": "c", "lora_path": str(adapters["c"])}
     with pytest.raises(openai.NotFoundError):
         complete(lserver, "c", PROMPTS["a"])
@@ -251,7 +275,7 @@ def test_another_adapter_loaded_under_a_name_never_meets_the_old_ones_kv(lserver
 @pytest.mark.parametrize(
     ("body", "status", "says"),
     [
-        ({"lora_name": "x", "lora_path": "ADAPTER:big"}, 400, "above max_lora_rank=16"),
+        # (an adapter the engine refuses, rank 32: test_load_and_unload_round_trip, both modes)
         ({"lora_name": "x", "lora_path": "/no/such/adapter"}, 404, "No adapter found for /no/such/adapter"),
         ({"lora_name": MODEL_NAME, "lora_path": "ADAPTER:c"}, 400, "conflicts with a served base model"),
         ({"lora_name": "a", "lora_path": "ADAPTER:c"}, 400, "already been loaded"),

@@ -7,43 +7,23 @@ argument events), refusals, auth and per-key limits, cached tokens, disconnects.
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import httpx
 import pytest
-from serverutil import BLOCK_SIZE, MAX_MODEL_LEN, MODEL_NAME, scrape
+from serverutil import BLOCK_SIZE, ENGINE_MODES, MAX_MODEL_LEN, MODEL_NAME, scrape
+
+pytest.importorskip("llguidance")
+pytest.importorskip("pydantic")
+
+from toolutil import COMPACT, RESPONSES_TOOLS, SCHEMA, USER, Paint
 
 openai = pytest.importorskip("openai")
-pytest.importorskip("llguidance")
-pydantic = pytest.importorskip("pydantic")
 
+# The Responses API is a translation in the HTTP layer, onto the chat route: above the engine
+# client, so its tests run in the default process mode only (conftest.py); the plain and streamed
+# request of test_text_and_stream_agree, through the engine, runs in both modes.
+pytestmark = pytest.mark.engine_modes("process")
 GREEDY = {"temperature": 0.0}
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["ok", "color"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "name": "paint", "description": "Paint something.", "parameters": SCHEMA},
-    {
-        "type": "function",
-        "name": "stop_now",
-        "parameters": {
-            "type": "object",
-            "properties": {"why": {"enum": ["done", "tired"]}},
-            "required": ["why"],
-            "additionalProperties": False,
-        },
-    },
-]
-# a random model picks whitespace as readily as anything: JSON without it ends in bounded tokens
-COMPACT = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
-
-
-class Paint(pydantic.BaseModel):
-    ok: bool
-    color: Literal["red", "green", "blue"]
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +67,7 @@ def _prompt_tokens(server, messages) -> int:
     return r.json()["count"]
 
 
+@pytest.mark.engine_modes(*ENGINE_MODES)
 def test_text_and_stream_agree(client, server):
     done = client.responses.create(model=MODEL_NAME, input="Tell me a story.", max_output_tokens=12, **GREEDY)
     assert done.object == "response" and done.id.startswith("resp_") and done.model == MODEL_NAME
@@ -188,11 +169,10 @@ def test_json_schema_text_format(client):
 
 
 def test_function_tool_call_and_follow_up_turn(client, server):
-    user = [{"role": "user", "content": "Paint the fence."}]
     first = client.responses.create(
         model=MODEL_NAME,
-        input=user,
-        tools=TOOLS,
+        input=USER,
+        tools=RESPONSES_TOOLS,
         tool_choice={"type": "function", "name": "paint"},
         max_output_tokens=60,
         **GREEDY,
@@ -205,8 +185,8 @@ def test_function_tool_call_and_follow_up_turn(client, server):
 
     required = client.responses.create(
         model=MODEL_NAME,
-        input=user,
-        tools=TOOLS,
+        input=USER,
+        tools=RESPONSES_TOOLS,
         tool_choice="required",
         max_output_tokens=120,
         temperature=1.0,
@@ -216,11 +196,13 @@ def test_function_tool_call_and_follow_up_turn(client, server):
     assert names and set(names) <= {"paint", "stop_now"}
 
     # the tool loop: the previous output and the tool's result go back as input items
-    follow_up = [*user, *first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "painted"}]
-    second = client.responses.create(model=MODEL_NAME, input=follow_up, tools=TOOLS, tool_choice="none", **GREEDY)
+    follow_up = [*USER, *first.output, {"type": "function_call_output", "call_id": call.call_id, "output": "painted"}]
+    second = client.responses.create(
+        model=MODEL_NAME, input=follow_up, tools=RESPONSES_TOOLS, tool_choice="none", **GREEDY
+    )
     assert second.status in ("completed", "incomplete")
     messages = [
-        *user,
+        *USER,
         {
             "role": "assistant",
             "content": None,
@@ -238,7 +220,7 @@ def test_streamed_function_call_events(server):
         server,
         {
             "input": "Paint the fence.",
-            "tools": TOOLS,
+            "tools": RESPONSES_TOOLS,
             "tool_choice": {"type": "function", "name": "paint"},
             "max_output_tokens": 60,
         },
@@ -373,8 +355,8 @@ def test_logprobs_include(client):
         ({"conversation": "conv_1"}, "conversation"),
         ({"background": True}, "background"),
         ({"tools": [{"type": "web_search_preview"}]}, "tools"),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
-        ({"tools": TOOLS}, "tool_choice"),  # auto needs --enable-auto-tool-choice, as chat
+        ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
+        ({"tools": RESPONSES_TOOLS}, "tool_choice"),  # auto needs --enable-auto-tool-choice, as chat
         ({"text": {"format": {"type": "yaml"}}}, "text.format"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),

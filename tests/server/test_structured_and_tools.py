@@ -6,7 +6,6 @@ structured_outputs fields, tool_choice named / required / auto (with and without
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import httpx
 import pytest
@@ -14,39 +13,9 @@ from serverutil import MODEL_NAME
 
 pytest.importorskip("openai")
 pytest.importorskip("llguidance")
-pydantic = pytest.importorskip("pydantic")
+pytest.importorskip("pydantic")
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["ok", "color"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {"type": "function", "function": {"name": "paint", "description": "Paint something.", "parameters": SCHEMA}},
-    {
-        "type": "function",
-        "function": {
-            "name": "stop_now",
-            "parameters": {
-                "type": "object",
-                "properties": {"why": {"enum": ["done", "tired"]}},
-                "required": ["why"],
-                "additionalProperties": False,
-            },
-        },
-    },
-]
-USER = [{"role": "user", "content": "Paint the fence."}]
-
-
-class Paint(pydantic.BaseModel):
-    ok: bool
-    color: Literal["red", "green", "blue"]
-
-
-# a random model picks whitespace as readily as anything: JSON without it ends in bounded tokens
-COMPACT = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
+from toolutil import COMPACT, SCHEMA, TOOLS, USER, Paint
 
 
 @pytest.fixture(scope="module")

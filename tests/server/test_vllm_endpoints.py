@@ -6,9 +6,10 @@ chat, streamed), the server settings response_role, enable_force_include_usage,
 enable_log_requests / max_log_len, and uvicorn's: root_path, TLS, its log level and access log.
 
 The ServerConfig fields without a `kvtier serve` flag of their own are set through
-serverutil.start_server's `config` (the CLI's settings, those fields replaced). The TLS and
-root-path server is about the HTTP layer, so it runs in the default engine mode only; every
-other test runs against both engine clients (conftest.py)."""
+serverutil.start_server's `config` (the CLI's settings, those fields replaced). These are
+features of the HTTP layer, above the engine client, so the tests run in the default engine mode
+only (conftest.py), but for test_reset_prefix_cache_empties_every_own_tier: the reset is an
+admin call to the engine (its tiers, Redis among them) and runs against both engine clients."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serverutil import MODEL_NAME, Server, start_server, stop_server
+from serverutil import ENGINE_MODES, MODEL_NAME, Server, start_server, stop_server
 
 openai = pytest.importorskip("openai")
 redis = pytest.importorskip("redis")
 
+pytestmark = pytest.mark.engine_modes("process")  # the HTTP layer: either engine client serves it alike
 ADMIN_KEY = "sk-admin-key-0123456789abcdef"
 MAX_LOG_LEN = 12
 
@@ -232,6 +234,7 @@ def test_load_counts_requests_in_flight(vserver):
 
 
 # ------------------------------------------------------------------ /reset_prefix_cache
+@pytest.mark.engine_modes(*ENGINE_MODES)  # crosses the engine client: both modes
 def test_reset_prefix_cache_empties_every_own_tier(vserver):
     text = prompt(vserver, "reset")
     first = cached_tokens(vserver, text)[0]  # a block's worth at most: other prompts share its start
@@ -601,7 +604,6 @@ def tls_server(server_model_dir, tmp_path_factory, engine_mode):
         stop_server(s)
 
 
-@pytest.mark.engine_modes("process")  # the HTTP layer: either engine client serves it alike
 class TestTLSAndRootPath:
     def test_https_with_the_openai_client(self, tls_server):
         s, trust = tls_server

@@ -167,9 +167,10 @@ class SchedulerSide:
         bs, tokens = self.block_size, st.request.all_token_ids
         chain = self._keys(st, first + len(keys))
         owner = Tenancy(None, st.salt, st.oid)
+        lora = st.request.lora_request  # vLLM's own events of these blocks carry its id and name
         for i in range(first, first + len(keys)):
             parent = chain[i - 1] if i else self.chains.root(st.salt)
-            self.events.describe(chain[i], parent, tokens[i * bs : (i + 1) * bs], i == 0, owner)
+            self.events.describe(chain[i], parent, tokens[i * bs : (i + 1) * bs], i == 0, owner, lora)
 
     def take_events(self) -> list[Any]:
         """The KV events of kvtier's tiers since the last call (vLLM publishes them with its own)."""
