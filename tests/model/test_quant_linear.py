@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from quantutil import FP16_FIELDS, spy_fused_decode
 
 from kvtier import LLM, SamplingParams
 from kvtier.model import gguf as kgguf
@@ -17,17 +18,6 @@ from kvtier.model.runner import ModelRunner
 from kvtier.sched.output import ScheduledSeq, SchedulerOutput
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (pip install 'kvtier[gguf]') reads GGUF files")
-
-FP16_FIELDS = {
-    "Q8_0": (0,),
-    "Q4_0": (0,),
-    "Q4_1": (0, 2),
-    "Q5_0": (0,),
-    "Q5_1": (0, 2),
-    "Q4_K": (0, 2),
-    "Q5_K": (0, 2),
-    "Q6_K": (208,),
-}
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -337,15 +327,7 @@ def test_a_decode_step_in_one_native_call_equals_the_per_op_path(family, tiny_mo
         path, kw = tiny_model_dirs["qwen2"], {"quantization": "int8"}
     if native.decode_model_f32_lib() is None:
         pytest.skip("no C compiler or no AVX2/FMA/F16C here")
-    calls = []
-    real_call = FusedDecode.__call__
-
-    def spy(self, *args):
-        out = real_call(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecode, "__call__", spy)
+    calls = spy_fused_decode(monkeypatch)
 
     def run() -> list[torch.Tensor]:
         runner = ModelRunner(path, dtype="float32", device="cpu", block_size=4, num_blocks=32, **kw)

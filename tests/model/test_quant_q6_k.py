@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from quantutil import spy_fused_decode
 
 from kvtier import LLM, SamplingParams
 from kvtier.model import gguf as kgguf
@@ -252,15 +253,7 @@ def test_the_one_call_decode_step_runs_q6_k_projections(q6_k_gguf, monkeypatch):
 
     if native.decode_model_f32_lib() is None:
         pytest.skip("no C compiler or no AVX2/FMA/F16C here")
-    calls: list[bool] = []
-    real_call = FusedDecode.__call__
-
-    def spy(self, *args):
-        out = real_call(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FusedDecode, "__call__", spy)
+    calls = spy_fused_decode(monkeypatch)
 
     def run() -> list[torch.Tensor]:
         runner = ModelRunner(q6_k_gguf, dtype="float32", device="cpu", block_size=4, num_blocks=32)
