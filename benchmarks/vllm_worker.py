@@ -20,6 +20,7 @@ venv's libiomp5.so). The JSON reports what was in effect.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -73,7 +74,16 @@ def _build_llm(args):
         kw["max_num_batched_tokens"] = args.max_num_batched_tokens
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
-    if args.kvtier_connector:
+    if args.noop_connector:  # what any connector costs vLLM, without kvtier's work
+        from vllm.config import KVTransferConfig
+
+        here = str(Path(__file__).resolve().parent)  # the engine-core child imports it by name
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (here, os.environ.get("PYTHONPATH", "")) if x)
+        sys.path.insert(0, here)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NoopConnector", kv_connector_module_path="noop_connector", kv_role="kv_both"
+        )
+    elif args.kvtier_connector:
         from vllm.config import KVTransferConfig
 
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -119,6 +129,29 @@ def run(args) -> dict:
         outs = llm.generate(batch, sp(max_tokens), use_tqdm=False)
         return time.perf_counter() - t, outs
 
+    def stepped(prompts: list[list[int]], max_tokens: int):
+        """Run `prompts` through vLLM's engine step by step: each request's token arrival times
+        (seconds since its submission) and its final output."""
+        engine = llm.llm_engine
+        ids = [f"stepped-{next(counter)}" for _ in prompts]
+        t = time.perf_counter()
+        for rid, p in zip(ids, prompts):
+            engine.add_request(rid, {"prompt_token_ids": p}, sp(max_tokens))
+        times: dict[str, list[float]] = {rid: [] for rid in ids}
+        final: dict[str, object] = {}
+        while engine.has_unfinished_requests():
+            outs = engine.step()
+            now = time.perf_counter() - t
+            for o in outs:
+                seen = times.get(o.request_id)
+                if seen is None:
+                    continue
+                seen.extend([now] * (len(o.outputs[0].token_ids) - len(seen)))
+                if o.finished:
+                    final[o.request_id] = o
+        return [times[r] for r in ids], [final[r] for r in ids]
+
+    counter = itertools.count()
     wl, R = args.workload, args.repeats
     res: dict = {}
     if wl == "cold_prefill":
@@ -225,27 +258,37 @@ def run(args) -> dict:
     elif wl == "restore_decode":
         # decode right after the prompts come back from below the device pool (kvtier's connector:
         # restored from its tiers; vLLM alone: recomputed), against decode with the prompts in the
-        # device prefix cache. Each rate: tokens 2..17 of 8 streams, (t(17) - t(1)) / 16 steps.
-        # (8 x 512 tokens: vLLM alone recomputes them twice per repeat; 16 x 1,024 took ~2.5 min
-        # per repeat on 2 cores)
+        # device prefix cache. Inter-token latencies timed step by step through vLLM's engine:
+        # tokens 2..17 of 8 streams per repeat (the first token carries the restore or recompute).
+        # (8 x 512 tokens: vLLM alone recomputes them once per repeat on 2 cores)
         prompts = [W.tokens(2000 + i, 512) for i in range(8)]
         timed(prompts, 4)  # computed once: kvtier's connector stores them in its tiers
-        after, steady, restored = [], [], []
+        after, steady, restored, ttft = [], [], [], []
+        runs_after, runs_steady = [], []
+
+        def gaps(times: list[list[float]]) -> list[float]:
+            return [b - a for ts in times for a, b in itertools.pairwise(ts)]
+
         for _ in range(R):
             llm.reset_prefix_cache()
-            first, outs = timed(prompts, 1)
+            times, outs = stepped(prompts, 17)
             restored.append(sum(o.num_cached_tokens for o in outs))
-            llm.reset_prefix_cache()
-            full, _ = timed(prompts, 17)
-            after.append((full - first) / 16)
-            first_c, _ = timed(prompts, 1)  # now in the device cache
-            full_c, _ = timed(prompts, 17)
-            steady.append((full_c - first_c) / 16)
+            ttft.append(max(ts[0] for ts in times))
+            g = gaps(times)
+            after += g
+            runs_after.append(statistics.median(g) * 1e3)
+            times, _ = stepped(prompts, 17)  # now in the device cache
+            g = gaps(times)
+            steady += g
+            runs_steady.append(statistics.median(g) * 1e3)
         res = {
             "itl_after_restore_ms": statistics.median(after) * 1e3,
+            "itl_after_restore_p90_ms": _pct(after, 90) * 1e3,
             "itl_steady_ms": statistics.median(steady) * 1e3,
-            "runs_after_ms": [x * 1e3 for x in after],
-            "runs_steady_ms": [x * 1e3 for x in steady],
+            "itl_steady_p90_ms": _pct(steady, 90) * 1e3,
+            "runs_after_ms": runs_after,
+            "runs_steady_ms": runs_steady,
+            "last_first_token_s": ttft,
             "cached_tokens_after_reset": restored,
             "num_seqs": 8,
             "context": 512,
@@ -281,6 +324,11 @@ def main() -> None:
         help="run with kvtier's KV connector; JSON: its kv_connector_extra_config",
     )
     ap.add_argument(
+        "--noop-connector",
+        action="store_true",
+        help="run with a connector that does nothing (benchmarks/noop_connector.py): vLLM's own cost of one",
+    )
+    ap.add_argument(
         "--preload-iomp",
         action="store_true",
         help="re-exec with LD_PRELOAD=<venv>/lib/libiomp5.so (vLLM's recommended OpenMP)",
@@ -313,6 +361,7 @@ def main() -> None:
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "kvtier_connector": json.loads(args.kvtier_connector) if args.kvtier_connector else None,
+        "noop_connector": args.noop_connector,
         "worker_wall_s": time.perf_counter() - t,
     }
     sys.stdout.flush()

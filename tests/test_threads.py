@@ -225,6 +225,48 @@ def test_helper_threads_leave_the_compute_cpus(monkeypatch):
     assert threads.io_cpus() == (0, 1)
 
 
+_HELPER_TEAM_SCRIPT = r"""
+import json, os, threading
+from concurrent.futures import ThreadPoolExecutor
+import torch
+from kvtier import threads
+torch.set_num_threads(2)
+big, src = torch.empty(4_000_000), torch.ones(4_000_000)
+big.copy_(src)  # the main thread's team exists
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+def copy_and_count():
+    big.copy_(src)  # parallel where this thread may make a team
+    return tasks()
+out = {}
+for name, init in (("helper", threads.on_helper_thread), ("plain", None)):
+    before = tasks()
+    with ThreadPoolExecutor(1, initializer=init) as pool:
+        out[name] = pool.submit(copy_and_count).result() - before
+out["main_threads"] = torch.get_num_threads()
+later = {}
+t = threading.Thread(target=lambda: later.update(n=torch.get_num_threads())); t.start(); t.join()
+out["later_thread_threads"] = later["n"]
+print(json.dumps(out))
+"""
+
+
+def test_helper_threads_make_no_openmp_team_of_their_own():
+    """A torch op on a helper thread (a tier copy) runs on that thread alone: a team of its own
+    beside the compute team would make libgomp cut every barrier's spin (threads outnumber the
+    CPUs), which cost vLLM's decode with kvtier's connector 15-40% on 2 cores. torch's own
+    thread count, for the compute thread and threads started later, stays as it was."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _HELPER_TEAM_SCRIPT], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plain"] == 2  # the pool thread and its team's second thread: what the test detects
+    assert out["helper"] == 1  # the pool thread alone
+    assert out["main_threads"] == 2 and out["later_thread_threads"] == 2
+
+
 class _Machine:
     """Injected /proc readings (per-CPU busy ticks, per-thread ticks) and clock, advanced by hand."""
 

@@ -8,7 +8,7 @@ import logging
 import os
 import threading
 
-from kvtier.threads.omp import libgomp, pin_team
+from kvtier.threads.omp import libgomp, pin_team, serial_thread
 from kvtier.threads.plan import ThreadPlan, plan_threads
 from kvtier.threads.topology import ORIGINAL_CPUS
 from kvtier.threads.wait import wait_in_force
@@ -80,8 +80,11 @@ def io_cpus() -> tuple[int, ...]:
 
 def on_helper_thread() -> None:
     """Run at the start of a helper thread (a ThreadPoolExecutor initializer): move it off the
-    compute CPUs it may have inherited from the thread that created it."""
+    compute CPUs it may have inherited from the thread that created it, and keep the torch ops
+    it runs (tier copies) on itself, so that it never makes an OpenMP team of its own beside
+    the compute team (`kvtier.threads.omp.serial_thread` says why that matters)."""
     try:
         os.sched_setaffinity(0, set(io_cpus()))
     except (OSError, AttributeError):
         pass
+    serial_thread()

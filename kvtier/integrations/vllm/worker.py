@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.keys import rank_fingerprint
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMeta, LoadSpec
 from kvtier.integrations.vllm.purges import PurgeWatcher
 from kvtier.integrations.vllm.stats import COUNTERS, KVTierStats
+from kvtier.threads.binding import on_helper_thread
 from kvtier.tiers.hierarchy import TierConfig, TierHierarchy
 
 if TYPE_CHECKING:
@@ -145,7 +146,9 @@ class WorkerSide:
                     tier.watch = self._tier_watch(name)
         # loads wait on the hierarchy's futures and copy into vLLM's pool on their own thread
         self._load_pool = ThreadPoolExecutor(
-            max_workers=max(self.config.io_threads, 1), thread_name_prefix="kvtier-vllm-load"
+            max_workers=max(self.config.io_threads, 1),
+            thread_name_prefix="kvtier-vllm-load",
+            initializer=on_helper_thread,  # its copies must not make an OpenMP team beside vLLM's
         )
         logger.info(
             "kvtier connector rank %d: tiers %s, block %s %s (%d bytes), layout axis %d",
