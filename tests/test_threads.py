@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -226,7 +227,7 @@ def test_helper_threads_leave_the_compute_cpus(monkeypatch):
 
 
 _HELPER_TEAM_SCRIPT = r"""
-import json, os, threading
+import json, os, threading, time
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from kvtier import threads
@@ -238,11 +239,25 @@ def tasks():
 def copy_and_count():
     big.copy_(src)  # parallel where this thread may make a team
     return tasks()
+base = tasks()
 out = {}
 for name, init in (("helper", threads.on_helper_thread), ("plain", None)):
-    before = tasks()
+    deadline = time.monotonic() + 10
+    while tasks() != base and time.monotonic() < deadline:  # the last pool's threads are gone
+        time.sleep(0.01)
     with ThreadPoolExecutor(1, initializer=init) as pool:
-        out[name] = pool.submit(copy_and_count).result() - before
+        out[name] = pool.submit(copy_and_count).result() - base
+deadline = time.monotonic() + 10
+while tasks() != base and time.monotonic() < deadline:
+    time.sleep(0.01)
+def build():
+    big.copy_(src)  # loading a model opens parallel regions: a team on this thread
+    return tasks() - base
+out["during_build"] = threads.build_off_thread(build)
+deadline = time.monotonic() + 10
+while tasks() != base and time.monotonic() < deadline:
+    time.sleep(0.01)
+out["after_build"] = tasks() - base
 out["main_threads"] = torch.get_num_threads()
 later = {}
 t = threading.Thread(target=lambda: later.update(n=torch.get_num_threads())); t.start(); t.join()
@@ -265,6 +280,27 @@ def test_helper_threads_make_no_openmp_team_of_their_own():
     assert out["plain"] == 2  # the pool thread and its team's second thread: what the test detects
     assert out["helper"] == 1  # the pool thread alone
     assert out["main_threads"] == 2 and out["later_thread_threads"] == 2
+    # an engine built off thread: its team (builder + 1) goes when the building thread ends
+    assert out["during_build"] == 2 and out["after_build"] == 0
+
+
+def test_build_off_thread_returns_the_result_and_reraises_the_error():
+    from kvtier.threads import binding
+
+    seen = []
+
+    def build():
+        seen.append(threading.get_ident())
+        return "engine"
+
+    assert threads.build_off_thread(build) == "engine"
+    assert seen[0] != threading.get_ident() and seen[0] not in binding._bound_threads
+
+    def fail():
+        raise ValueError("no such checkpoint")
+
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        threads.build_off_thread(fail)
 
 
 class _Machine:

@@ -440,7 +440,7 @@ def _add_vllm_server_args(s: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import logging
 
-    from kvtier import LLM
+    from kvtier import LLM, threads
 
     # kvtier's own loggers (tiers going down and back, corrupt entries, purges) at the level the
     # operator asked for, with the level and source on each line (uvicorn formats its own)
@@ -454,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
     log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
     try:
         if args.engine_in_process:
-            with LLM(args.model, **args.engine_kwargs) as llm:
+            # built on a thread that ends: no OpenMP team of its own beside the engine thread's
+            with threads.build_off_thread(lambda: LLM(args.model, **args.engine_kwargs)) as llm:
                 use_chat_template(llm.tokenizer, args.chat_template)
                 client = make_engine_client(core=llm.engine, **engine_settings(args, tenants))
                 return run_server(

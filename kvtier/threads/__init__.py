@@ -56,6 +56,7 @@ from __future__ import annotations
 from kvtier.threads.adaptive import ADAPTIVE_ENV, DYNAMIC_ROWS_ENV, AdaptiveTeam
 from kvtier.threads.binding import (
     bind_compute_threads,
+    build_off_thread,
     configure,
     current_plan,
     io_cpus,
@@ -90,6 +91,7 @@ __all__ = [
     "ThreadPlan",
     "apply_wait_policy",
     "bind_compute_threads",
+    "build_off_thread",
     "cgroup_cpu_limit",
     "configure",
     "current_plan",

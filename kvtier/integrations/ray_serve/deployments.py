@@ -55,7 +55,7 @@ class KVTierEngine:
         import ray
         from ray import serve
 
-        from kvtier import LLM
+        from kvtier import LLM, threads
         from kvtier.cli.serve import engine_settings, server_settings, use_chat_template
         from kvtier.engine.frontend import make_engine_client
         from kvtier.server.app import build_app
@@ -76,7 +76,8 @@ class KVTierEngine:
         kw["kv_events_config"] = events
         ip = ray.util.get_node_ip_address()
         self.replica_id = serve.get_replica_context().replica_id.to_full_id_str()
-        self.llm = LLM(args.model, **kw)
+        # built on a thread that ends: no OpenMP team of its own beside the engine thread's
+        self.llm = threads.build_off_thread(lambda: LLM(args.model, **kw))
         use_chat_template(self.llm.tokenizer, args.chat_template)
         self.client = make_engine_client(core=self.llm.engine, **engine_settings(args, tenants))
         self.log = RequestLog(args.request_log, include_text=args.request_log_text) if args.request_log else None
